@@ -1,0 +1,1 @@
+"""The Streamlit RCA dashboard (pages only; data through rca/ingest functions)."""

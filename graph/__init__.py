@@ -1,0 +1,1 @@
+"""The error-code catalog and the networkx topology built from it."""

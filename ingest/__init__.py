@@ -1,0 +1,1 @@
+"""The record, the spool, the DuckDB store (all SQL lives here) and the parsers."""

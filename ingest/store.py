@@ -1,0 +1,246 @@
+"""The embedded DuckDB store: connections, migrations and writes.
+
+Concurrency model (DuckDB allows one read-write process *or* many read-only
+processes on a file): every connection is short-lived. Writers (the spool
+loader, ``rca ingest``) serialize on an advisory ``flock`` beside the DB and
+hold the DuckDB file only for one bounded batch at a time; readers open
+read-only and, when the file is held by a writer, retry with backoff until
+``lock_timeout`` (default 60 s, env ``RCA_LOCK_TIMEOUT``). A reader therefore
+never sees a lock error while a load runs; it waits at most one batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from graph.errors import StoreError
+from ingest import schema as S
+
+__all__ = ["Store", "MIGRATIONS", "Migration"]
+
+Migration = Callable[[duckdb.DuckDBPyConnection], None]
+
+
+def _migration_1(con: duckdb.DuckDBPyConnection) -> None:
+    for table in S.TABLES:
+        for stmt in S.create_table_sql(table):
+            con.execute(stmt)
+    con.execute(
+        "CREATE TABLE IF NOT EXISTS spool_ledger ("
+        " segment VARCHAR PRIMARY KEY, offset_bytes BIGINT NOT NULL,"
+        " rows BIGINT NOT NULL, finished BOOLEAN NOT NULL, updated_ns BIGINT NOT NULL)"
+    )
+    con.execute(
+        "CREATE TABLE IF NOT EXISTS ingest_ledger ("
+        " source_key VARCHAR PRIMARY KEY, path VARCHAR, rows BIGINT, loaded_ns BIGINT)"
+    )
+
+
+#: Numbered migrations: index i brings a store from version i to i+1.
+MIGRATIONS: tuple[Migration, ...] = (_migration_1,)
+assert len(MIGRATIONS) == S.SCHEMA_VERSION
+
+_LOCK_MARKERS = ("Could not set lock", "Conflicting lock")
+
+
+def _is_lock_error(exc: Exception) -> bool:
+    return isinstance(exc, duckdb.Error) and any(m in str(exc) for m in _LOCK_MARKERS)
+
+
+class Store:
+    """A DuckDB file plus the rules for touching it safely from many processes."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        lock_timeout: float | None = None,
+        migrations: Sequence[Migration] = MIGRATIONS,
+    ) -> None:
+        self.path = Path(path).expanduser()
+        env_timeout = os.environ.get("RCA_LOCK_TIMEOUT")
+        self.lock_timeout = lock_timeout if lock_timeout is not None else float(env_timeout or 60.0)
+        self.migrations = tuple(migrations)
+        self._ready = False
+
+    # -- connections -------------------------------------------------------
+    def _connect(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+        deadline = time.monotonic() + self.lock_timeout
+        delay = 0.005
+        while True:
+            try:
+                return duckdb.connect(str(self.path), read_only=read_only)
+            except duckdb.Error as exc:
+                if not _is_lock_error(exc) or time.monotonic() > deadline:
+                    raise StoreError(f"cannot open store {self.path}: {exc}") from exc
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 0.1)
+
+    @contextlib.contextmanager
+    def writer_lock(self, *, blocking: bool = True) -> Iterator[bool]:
+        """Serialize writers across processes (an advisory lock, not DuckDB's)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = self.path.with_name(self.path.name + ".writer.lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-write connection, schema migrated; hold it for one batch only."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        con = self._connect(read_only=False)
+        try:
+            self._migrate(con)
+            yield con
+        finally:
+            con.close()
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-only connection; creates an empty store first if there is none."""
+        if not self._ready:
+            if not self.path.exists() or self.schema_version_on_disk() < len(self.migrations):
+                with self.writer_lock(), self.write():
+                    pass
+            self._ready = True
+        con = self._connect(read_only=True)
+        try:
+            yield con
+        finally:
+            con.close()
+
+    # -- schema ------------------------------------------------------------
+    def schema_version_on_disk(self) -> int:
+        if not self.path.exists():
+            return 0
+        con = self._connect(read_only=True)
+        try:
+            return _read_version(con)
+        finally:
+            con.close()
+
+    def _migrate(self, con: duckdb.DuckDBPyConnection) -> None:
+        con.execute("CREATE TABLE IF NOT EXISTS rca_meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
+        version = _read_version(con)
+        target = len(self.migrations)
+        if version > target:
+            raise StoreError(
+                f"store {self.path} has schema version {version}, newer than this "
+                f"rca understands ({target}); upgrade rca"
+            )
+        for v in range(version, target):
+            con.execute("BEGIN TRANSACTION")
+            try:
+                self.migrations[v](con)
+                con.execute(
+                    "INSERT OR REPLACE INTO rca_meta VALUES ('schema_version', ?)", [str(v + 1)]
+                )
+                con.execute("COMMIT")
+            except Exception:
+                con.execute("ROLLBACK")
+                raise
+
+    # -- writes ------------------------------------------------------------
+    @staticmethod
+    def insert_arrow(con: duckdb.DuckDBPyConnection, table: S.Table, data: pa.Table) -> int:
+        """Append an Arrow table whose columns match ``table`` (cast if needed)."""
+        if data.num_rows == 0:
+            return 0
+        data = data.select(table.names).cast(S.arrow_schema(table))
+        con.register("_rca_batch", data)
+        try:
+            con.execute(
+                f"INSERT INTO {table.name} BY NAME SELECT * FROM _rca_batch"  # noqa: S608
+            )
+        finally:
+            con.unregister("_rca_batch")
+        return data.num_rows
+
+    def insert_records(self, records: list[Any], *, table: S.Table = S.ERROR_CONTEXT) -> int:
+        """Convenience: write records (dataclasses or row dicts) in one transaction."""
+        data = S.records_to_arrow(records, table)
+        with self.writer_lock(), self.write() as con:
+            return self.insert_arrow(con, table, data)
+
+    def insert_spans(self, spans: list[Any]) -> int:
+        return self.insert_records(spans, table=S.SPANS)
+
+    # -- ledgers -------------------------------------------------------------
+    @staticmethod
+    def spool_offsets(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[int, bool]]:
+        rows = con.execute("SELECT segment, offset_bytes, finished FROM spool_ledger").fetchall()
+        return {seg: (off, fin) for seg, off, fin in rows}
+
+    @staticmethod
+    def set_spool_offset(
+        con: duckdb.DuckDBPyConnection, segment: str, offset: int, rows: int, finished: bool
+    ) -> None:
+        con.execute(
+            "INSERT INTO spool_ledger VALUES (?, ?, ?, ?, ?) ON CONFLICT (segment) DO UPDATE SET"
+            " offset_bytes = excluded.offset_bytes, rows = spool_ledger.rows + excluded.rows,"
+            " finished = excluded.finished, updated_ns = excluded.updated_ns",
+            [segment, offset, rows, finished, time.time_ns()],
+        )
+
+    @staticmethod
+    def forget_spool_segments(con: duckdb.DuckDBPyConnection, older_than_ns: int) -> None:
+        con.execute("DELETE FROM spool_ledger WHERE finished AND updated_ns < ?", [older_than_ns])
+
+    @staticmethod
+    def source_loaded(con: duckdb.DuckDBPyConnection, key: str) -> bool:
+        row = con.execute("SELECT 1 FROM ingest_ledger WHERE source_key = ?", [key]).fetchone()
+        return row is not None
+
+    @staticmethod
+    def mark_source_loaded(con: duckdb.DuckDBPyConnection, key: str, path: str, rows: int) -> None:
+        con.execute(
+            "INSERT OR REPLACE INTO ingest_ledger VALUES (?, ?, ?, ?)",
+            [key, path, rows, time.time_ns()],
+        )
+
+    # -- housekeeping --------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        with self.read() as con:
+            return {
+                t.name: con.execute(f"SELECT count(*) FROM {t.name}").fetchone()[0]  # noqa: S608
+                for t in S.TABLES
+            }
+
+    def create_indexes(self, con: duckdb.DuckDBPyConnection) -> None:
+        for table in S.TABLES:
+            for stmt in S.create_table_sql(table)[1:]:
+                con.execute(stmt)
+
+    def drop_indexes(self, con: duckdb.DuckDBPyConnection) -> None:
+        for table in S.TABLES:
+            for idx_name, _ in table.indexes:
+                con.execute(f"DROP INDEX IF EXISTS {idx_name}")
+
+
+def _read_version(con: duckdb.DuckDBPyConnection) -> int:
+    try:
+        row = con.execute("SELECT value FROM rca_meta WHERE key = 'schema_version'").fetchone()
+    except duckdb.CatalogException:
+        return 0
+    return int(row[0]) if row else 0

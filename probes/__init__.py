@@ -1,0 +1,1 @@
+"""Capture inside the serving process (operator checks, KV fingerprints, NVML, OTel)."""

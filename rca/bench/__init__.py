@@ -1,0 +1,1 @@
+"""`rca bench ...`: commands that print figures (never timed tests)."""

@@ -1,0 +1,202 @@
+"""The `rca` command line: a thin layer over library functions.
+
+Every command calls one library function and renders its typed result as a
+table or as JSON. Errors from the library (:class:`graph.errors.RcaError`)
+become one line on stderr and exit status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from graph.errors import RcaError
+
+app = typer.Typer(
+    help="Root-cause analysis for LLM serving: from GPU Xid to HTTP 500, with evidence.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks that print figures.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+DbOpt = Annotated[
+    Path | None,
+    typer.Option("--db", help="DuckDB store (default: $RCA_DB or ~/.local/share/rca/rca.duckdb)"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def _console():  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+@app.command()
+def query(
+    trace_id: Annotated[str, typer.Option("--trace-id", "-t", help="W3C trace id (32 hex).")],
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+    window: Annotated[float, typer.Option(help="Seconds of context before the symptom.")] = 300.0,
+    top: Annotated[int, typer.Option(help="How many causes to show.")] = 5,
+) -> None:
+    """Rank the root causes of one failed request, with chains and evidence."""
+    from rca.query import diagnose_trace
+    from rca.render import print_diagnosis
+
+    diag = diagnose_trace(trace_id, db=db, window_s=window, top=top)
+    if as_json:
+        typer.echo(diag.to_json())
+    else:
+        print_diagnosis(_console(), diag)
+
+
+@app.command()
+def codes(
+    layer: Annotated[int | None, typer.Option(help="Only this layer (1-7).")] = None,
+    family: Annotated[str | None, typer.Option(help="Only this family.")] = None,
+    as_json: JsonOpt = False,
+    catalog: Annotated[
+        Path | None, typer.Option(help="Validate and list another catalog file.")
+    ] = None,
+) -> None:
+    """List the error-code catalog (validated on load)."""
+    from graph.catalog import FAMILIES, LAYER_NAMES, load_catalog
+
+    if layer is not None and layer not in LAYER_NAMES:
+        raise RcaError(f"--layer must be 1..7, not {layer}")
+    if family is not None and family not in FAMILIES:
+        raise RcaError(f"unknown family {family!r}; one of: {', '.join(FAMILIES)}")
+    cat = load_catalog(catalog)
+    sel = cat.select(layer=layer, family=family)
+    if as_json:
+        typer.echo(json.dumps([c.to_dict() for c in sel], indent=2))
+        return
+    from rich.table import Table
+
+    t = Table(title=f"{len(sel)} of {len(cat)} codes", show_lines=False)
+    for col in ("id", "code", "layer", "family", "stage", "recoverability", "causes"):
+        t.add_column(col)
+    for c in sel:
+        t.add_row(
+            str(c.id),
+            c.name,
+            str(c.layer),
+            c.family,
+            str(c.stage),
+            str(c.recoverability),
+            ", ".join(e.code for e in c.causes),
+        )
+    _console().print(t)
+
+
+@app.command()
+def load(
+    db: DbOpt = None,
+    spool: Annotated[
+        Path | None, typer.Option(help="Spool folder (default beside the DB).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Move finished spool segments into the store (idempotent)."""
+    from ingest.paths import default_db_path, spool_dir_for
+    from ingest.spool import load_spool
+    from ingest.store import Store
+
+    store = Store(db or default_db_path())
+    rep = load_spool(store, spool or spool_dir_for(store.path))
+    out = {
+        "segments": rep.segments,
+        "rows": rep.rows,
+        "quarantined": rep.quarantined,
+        "deleted_segments": rep.deleted,
+        "db": str(store.path),
+    }
+    if as_json:
+        typer.echo(json.dumps(out))
+    else:
+        typer.echo(
+            f"loaded {rep.total_rows} rows ({rep.rows['error_context']} records, "
+            f"{rep.rows['spans']} spans) from {rep.segments} segment(s) into {store.path}; "
+            f"quarantined {rep.quarantined}"
+        )
+
+
+@app.command()
+def traces(
+    db: DbOpt = None,
+    limit: Annotated[int, typer.Option(help="How many.")] = 20,
+    as_json: JsonOpt = False,
+) -> None:
+    """List recent failed requests (server spans with an HTTP error), newest first."""
+    from ingest.queries import recent_traces
+    from rca.query import open_store
+
+    with open_store(db).read() as con:
+        rows = recent_traces(con, limit=limit)
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    if not rows:
+        typer.echo("no failed requests in the store")
+    for r in rows:
+        typer.echo(
+            f"{r['trace_id']}  {r['http_status'] or r['status_code']}  {r['name']}  "
+            f"host={r['host']}"
+        )
+
+
+@app.command()
+def demo(
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Load the bundled example incident into the store and answer it."""
+    from rca.demo import run_demo
+    from rca.render import print_demo
+
+    report = run_demo(db=db)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_demo(_console(), report)
+
+
+@bench_app.command("query")
+def bench_query(
+    rows: Annotated[int, typer.Option(help="Records to fill the store with.")] = 10_000_000,
+    queries: Annotated[int, typer.Option(help="In-process queries to time.")] = 200,
+    db: Annotated[Path | None, typer.Option(help="Store to fill (default: a temp file).")] = None,
+    keep: Annotated[bool, typer.Option(help="Keep the filled store.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Fill a store with N realistic records, then time `rca query`."""
+    from rca.bench.query import run_query_bench
+
+    res = run_query_bench(rows=rows, queries=queries, db=db, keep=keep, progress=not as_json)
+    if as_json:
+        typer.echo(json.dumps(res))
+    else:
+        for k, v in res.items():
+            typer.echo(f"{k:>16}: {v}")
+
+
+def main() -> None:
+    try:
+        app()
+    except RcaError as exc:
+        print(f"rca: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("rca: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

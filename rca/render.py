@@ -1,0 +1,78 @@
+"""Terminal rendering of typed results (rich). No analysis happens here."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from rca.demo import DemoReport
+    from rca.engine import Diagnosis
+
+__all__ = ["chain_text", "print_diagnosis", "print_demo"]
+
+
+def _ts(ns: int) -> str:
+    return _dt.datetime.fromtimestamp(ns / 1e9, _dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def chain_text(chain: list[str], observed: list[str]) -> str:
+    """`A -> B -> C`, with codes that have no evidence row in brackets (inferred)."""
+    seen = set(observed)
+    return " -> ".join(c if c in seen else f"[{c}]" for c in chain)
+
+
+def print_diagnosis(
+    console: Console, diag: Diagnosis, *, evidence: bool = True, top: int | None = None
+) -> None:
+    console.print(
+        f"[bold]trace[/bold] {diag.trace_id}  [bold]symptom[/bold] {diag.symptom}  "
+        f"[dim]({diag.evidence_rows} evidence rows considered)[/dim]"
+    )
+    if not diag.causes:
+        console.print("  no candidate root cause: no evidence connects to the symptom")
+        return
+    for c in diag.causes[:top]:
+        style = "bold red" if c.rank == 1 else "bold"
+        console.print(
+            f"  [{style}]#{c.rank} {c.code}[/{style}]  {c.family}, layer {c.layer}, "
+            f"score {c.score:.2f}"
+        )
+        console.print(f"     chain:  {escape(chain_text(c.chain, c.observed))}")
+        if c.rank == 1:
+            console.print(f"     action: {escape(c.action)}")
+    if evidence and diag.evidence:
+        top_cause = diag.causes[0]
+        wanted = set(top_cause.evidence)
+        console.print(f"  [bold]evidence for #1[/bold] ({len(wanted)} rows):")
+        for r in sorted(diag.evidence, key=lambda r: r["ts"]):
+            if r["event_id"] in wanted:
+                msg = escape((r.get("message") or "").strip()[:120])
+                console.print(
+                    f"     {_ts(r['ts'])}  {r['code']:<28} {r['source']:<14} {msg}  "
+                    f"[dim]{r['event_id']}[/dim]"
+                )
+    console.print("  [dim]\\[CODE] = inferred link with no evidence row[/dim]")
+
+
+def print_demo(console: Console, report: DemoReport) -> None:
+    console.print(f"[bold]example incident[/bold]: {escape(report.description)}")
+    console.print(
+        "rows added: "
+        + ", ".join(f"{k} {v}" for k, v in report.counts.items())
+        + f"  (store: {report.db})"
+    )
+    console.print(
+        "requests by status: " + ", ".join(f"{k}: {v}" for k, v in sorted(report.requests.items()))
+    )
+    for inc in report.incidents:
+        console.print()
+        print_diagnosis(console, inc, evidence=False, top=3)
+    console.print()
+    console.print("[bold]next[/bold]:")
+    for cmd in report.next_commands:
+        console.print(f"  {cmd}")

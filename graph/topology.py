@@ -28,6 +28,7 @@ __all__ = [
     "descendants",
     "best_chain",
     "chain_strength",
+    "chain_cost",
 ]
 
 STRENGTH = "strength"
@@ -139,3 +140,19 @@ def best_chain(
         return nx.dijkstra_path(g, cause, symptom, weight=weight)
     except nx.NetworkXNoPath:
         return None
+
+
+def chain_cost(
+    g: nx.DiGraph,
+    chain: list[str],
+    observed: Mapping[str, float],
+    *,
+    unobserved_cost: float = 1.0,
+) -> float:
+    """The cost :func:`best_chain` minimizes, for a given chain (0 for one node)."""
+    extra = dict(observed)
+    extra[chain[-1]] = 0.0
+    return sum(
+        g.edges[u, v][COST] + extra.get(v, unobserved_cost)
+        for u, v in zip(chain, chain[1:], strict=False)
+    )

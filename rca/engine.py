@@ -19,7 +19,7 @@ from typing import Any
 import networkx as nx
 
 from graph.catalog import SEVERITY_RANK, Catalog, Severity
-from graph.topology import ancestors, best_chain, chain_strength, descendants
+from graph.topology import ancestors, best_chain, chain_cost, descendants
 
 __all__ = [
     "Evidence",
@@ -44,7 +44,9 @@ class Scope:
 SCOPE_WEIGHT = {Scope.TRACE: 1.0, Scope.REQUEST: 1.0, Scope.GPU: 0.8, Scope.HOST: 0.6}
 #: Extra cost of a chain hop onto a code, by the best scope of its evidence: a
 #: chain through the trace's own evidence beats one through the host's.
-SCOPE_HOP_COST = {Scope.TRACE: 0.0, Scope.REQUEST: 0.0, Scope.GPU: 0.5, Scope.HOST: 0.8}
+SCOPE_HOP_COST = {Scope.TRACE: 0.0, Scope.REQUEST: 0.0, Scope.GPU: 0.3, Scope.HOST: 0.5}
+#: Evidence later than the symptom by more than this cannot sit on its chain.
+CHAIN_TOLERANCE_NS = 250_000_000
 CLOCK_SKEW_NS = 2_000_000_000  # tolerated disagreement between clocks of two sources
 
 
@@ -62,10 +64,11 @@ class Evidence:
 
 @dataclass(frozen=True)
 class Weights:
-    prior: float = 1.0  # on ln(product of strengths along the chain)
+    chain: float = 1.0  # on -(cost of the chain): ln(strengths) minus unobserved hops
     coverage: float = 3.0  # fraction of the other observed codes the cause explains
     rootness: float = 2.0  # 1 if no observed code explains this one
     temporal: float = 1.0  # fraction of explained evidence that comes after it
+    late: float = -4.0  # first seen after the symptom (beyond clock skew)
     scope: float = 1.0
     depth: float = 0.8  # (7 - layer) / 6
     confidence: float = 0.5
@@ -220,7 +223,9 @@ def rank_root_causes(
         candidates = [symptom]
     desc_cache = {c: descendants(g, c) for c in candidates}
     hop_cost = {
-        code: min(SCOPE_HOP_COST.get(e.scope, 1.0) for e in evs) for code, evs in by_code.items()
+        code: min(SCOPE_HOP_COST.get(e.scope, 1.0) for e in evs)
+        for code, evs in by_code.items()
+        if any(e.ts <= t_sym + CHAIN_TOLERANCE_NS for e in evs)
     }
     scored: list[tuple[float, str, list[str], dict[str, float]]] = []
     for cand in candidates:
@@ -234,13 +239,12 @@ def rank_root_causes(
         temporal = (
             sum(1 for e in after if e.ts + CLOCK_SKEW_NS >= t_c) / len(after) if after else 0.5
         )
-        if t_c > t_sym + CLOCK_SKEW_NS:
-            temporal *= 0.25  # a cause that shows up after the symptom is suspect
         feats = {
-            "prior": math.log(max(chain_strength(g, chain), 1e-9)),
+            "chain": -chain_cost(g, chain, hop_cost),
             "coverage": coverage,
             "rootness": 0.0 if explainers else 1.0,
             "temporal": temporal,
+            "late": 1.0 if t_c > t_sym + CLOCK_SKEW_NS else 0.0,
             "scope": max(SCOPE_WEIGHT.get(e.scope, 0.5) for e in evs),
             "depth": (7 - catalog[cand].layer) / 6,
             "confidence": max(e.confidence for e in evs),

@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import pytest
+
+from graph.topology import (
+    ancestors,
+    best_chain,
+    build_topology,
+    chain_strength,
+    descendants,
+    paths_to_symptom,
+)
+from rca.engine import Evidence, Scope, rank_root_causes, symptom_from_spans
+
+S = 1_000_000_000
+
+
+def ev(code: str, t: float, scope: str = Scope.TRACE, i: int = 0) -> Evidence:
+    return Evidence(event_id=f"{code}-{i}", code=code, ts=int(t * S), scope=scope)
+
+
+@pytest.fixture
+def g(mini_catalog):
+    return build_topology(mini_catalog)
+
+
+def test_topology_paths_and_ancestors(g) -> None:
+    paths = paths_to_symptom(g, "GPU_XID_48", "HTTP_500")
+    assert paths[0] == ["GPU_XID_48", "CUDA_ERROR_ECC_UNCORRECTABLE", "ENGINE_DEAD", "HTTP_500"]
+    assert ["GPU_XID_48", "KV_BLOCK_HASH_MISMATCH", "LOGITS_NAN", "HTTP_500"] in paths
+    assert chain_strength(g, paths[0]) == pytest.approx(0.9 * 0.9 * 0.9)
+    assert {"GPU_XID_48", "KV_BLOCK_HASH_MISMATCH", "ENGINE_DEAD"} <= ancestors(g, "HTTP_500")
+    assert "HTTP_500" in descendants(g, "GPU_XID_48")
+    assert paths_to_symptom(g, "HTTP_500", "GPU_XID_48") == []
+    assert ancestors(g, "NOT_A_CODE") == set()
+
+
+def test_best_chain_prefers_observed_codes(g) -> None:
+    assert best_chain(g, "GPU_XID_48", "HTTP_500") == [
+        "GPU_XID_48",
+        "CUDA_ERROR_ECC_UNCORRECTABLE",
+        "ENGINE_DEAD",
+        "HTTP_500",
+    ]
+    assert best_chain(g, "GPU_XID_48", "HTTP_500", {"KV_BLOCK_HASH_MISMATCH", "LOGITS_NAN"}) == [
+        "GPU_XID_48",
+        "KV_BLOCK_HASH_MISMATCH",
+        "LOGITS_NAN",
+        "HTTP_500",
+    ]
+
+
+def test_planted_hardware_root_beats_its_effects_and_noise(g, mini_catalog) -> None:
+    evidence = [
+        ev("SCHEDULER_PREEMPTION", 1.0, Scope.HOST),  # benign noise
+        ev("KV_CACHE_NO_FREE_BLOCKS", 1.5, Scope.HOST),
+        ev("GPU_XID_48", 10.0, Scope.GPU),
+        ev("GPU_XID_63", 10.1, Scope.GPU),
+        ev("KV_BLOCK_HASH_MISMATCH", 10.3),
+        ev("LOGITS_NAN", 10.4),
+    ]
+    symptom, causes = rank_root_causes(
+        g, evidence, catalog=mini_catalog, symptom="HTTP_500", symptom_ts=int(10.5 * S)
+    )
+    assert symptom == "HTTP_500"
+    top = causes[0]
+    assert top.code == "GPU_XID_48" and top.rank == 1
+    assert top.chain == ["GPU_XID_48", "KV_BLOCK_HASH_MISMATCH", "LOGITS_NAN", "HTTP_500"]
+    assert top.evidence[:3] == ["GPU_XID_48-0", "KV_BLOCK_HASH_MISMATCH-0", "LOGITS_NAN-0"]
+    assert [c.code for c in causes[1:3]] == ["KV_BLOCK_HASH_MISMATCH", "LOGITS_NAN"]
+    assert sum(c.score for c in causes) <= 1.0 + 1e-9
+    assert top.score > 0.5
+
+
+def test_a_cause_after_the_symptom_is_not_preferred(g, mini_catalog) -> None:
+    # OOM first, then the engine dies, then the 500; an Xid 48 logged a minute later
+    evidence = [
+        ev("TORCH_CUDA_OOM", 5.0),
+        ev("ENGINE_DEAD", 5.5, Scope.HOST),
+        ev("GPU_XID_48", 70.0, Scope.GPU),
+    ]
+    _, causes = rank_root_causes(
+        g, evidence, catalog=mini_catalog, symptom="HTTP_500", symptom_ts=int(6 * S)
+    )
+    assert causes[0].code == "TORCH_CUDA_OOM"
+    assert causes[0].chain == ["TORCH_CUDA_OOM", "ENGINE_DEAD", "HTTP_500"]
+
+
+def test_without_spans_the_symptom_is_the_highest_trace_code(g, mini_catalog) -> None:
+    evidence = [ev("TORCH_CUDA_OOM", 1.0), ev("ENGINE_DEAD", 2.0), ev("HTTP_500", 3.0)]
+    symptom, causes = rank_root_causes(g, evidence, catalog=mini_catalog)
+    assert symptom == "HTTP_500"
+    assert causes[0].code == "TORCH_CUDA_OOM"
+
+
+def test_symptom_itself_when_nothing_explains_it(g, mini_catalog) -> None:
+    symptom, causes = rank_root_causes(g, [ev("HTTP_504", 1.0)], catalog=mini_catalog)
+    assert symptom == "HTTP_504"
+    assert [c.code for c in causes] == ["HTTP_504"] and causes[0].chain == ["HTTP_504"]
+
+
+def test_symptom_from_spans_prefers_the_root_server_span(mini_catalog) -> None:
+    spans = [
+        {
+            "kind": "INTERNAL",
+            "parent_span_id": "p",
+            "http_status": None,
+            "status_code": "ERROR",
+            "start_ns": 1,
+            "end_ns": 2,
+        },
+        {
+            "kind": "SERVER",
+            "parent_span_id": None,
+            "http_status": 503,
+            "status_code": "ERROR",
+            "start_ns": 1,
+            "end_ns": 3,
+        },
+    ]
+    assert symptom_from_spans(spans, mini_catalog) == ("HTTP_503", 3)
+    assert symptom_from_spans(
+        [{**spans[1], "http_status": 200, "status_code": "UNSET"}], mini_catalog
+    ) == (None, 0)

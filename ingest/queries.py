@@ -8,9 +8,15 @@ from typing import Any
 import duckdb
 
 from ingest import schema as S
-from ingest.store import Store
 
-__all__ = ["TraceRows", "fetch_trace", "fetch_context", "fetch_events", "recent_traces"]
+__all__ = [
+    "TraceRows",
+    "fetch_trace",
+    "fetch_context",
+    "fetch_events",
+    "recent_traces",
+    "root_status_counts",
+]
 
 _EC_COLS = ", ".join(S.ERROR_CONTEXT.names)
 _SPAN_COLS = ", ".join(S.SPANS.names)
@@ -26,7 +32,6 @@ class TraceRows:
     trace_id: str
     spans: list[dict[str, Any]] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
-    context: list[dict[str, Any]] = field(default_factory=list)
 
 
 def fetch_trace(con: duckdb.DuckDBPyConnection, trace_id: str) -> TraceRows:
@@ -52,30 +57,60 @@ def fetch_context(
     hosts: list[str],
     gpus: list[str],
     request_ids: list[str],
-    limit: int = 5000,
+    ids_per_group: int = 5,
 ) -> list[dict[str, Any]]:
-    """Records in [t_start, t_end] sharing a host, GPU or request id, outside the trace."""
+    """Records in [t_start, t_end] that share a request id, GPU or host with the trace,
+    aggregated per (code, scope): a busy host's thousands of warnings become a few rows.
+
+    Scope is ``request`` (same request id), ``gpu`` (same GPU) or ``host``. Records
+    of other traces are kept only at layers 1-4 (shared hardware, memory and KV
+    state), not their own engine/model/API symptoms. Each row carries ``n``,
+    ``first_ts``, ``last_ts``, ``confidence``, ``severity``, and the earliest
+    ``ids_per_group`` event ids with (ts, code, source, message) for display.
+    """
     if not (hosts or gpus or request_ids):
         return []
     return _dicts(
         con.execute(
-            f"SELECT {_EC_COLS} FROM error_context"
-            " WHERE ts BETWEEN ? AND ?"
-            " AND (list_contains(?::VARCHAR[], host) OR list_contains(?::VARCHAR[], gpu_uuid)"
-            "      OR list_contains(?::VARCHAR[], request_id))"
-            " AND (trace_id IS NULL OR trace_id <> ?)"
-            " ORDER BY ts DESC LIMIT ?",
-            [t_start, t_end, hosts, gpus, request_ids, trace_id or "", limit],
+            "SELECT code,"
+            " CASE WHEN list_contains($req, request_id) THEN 'request'"
+            "      WHEN list_contains($gpus, gpu_uuid) THEN 'gpu' ELSE 'host' END AS scope,"
+            " count(*) AS n, min(ts) AS first_ts, max(ts) AS last_ts,"
+            " max(confidence) AS confidence, max(severity) AS severity,"
+            " (list(event_id ORDER BY ts))[1:$k] AS event_ids,"
+            " (list({'event_id': event_id, 'ts': ts, 'code': code, 'source': source,"
+            "        'message': message} ORDER BY ts))[1:$k] AS rows"
+            " FROM error_context"
+            " WHERE ts BETWEEN $t0 AND $t1"
+            " AND (list_contains($hosts, host) OR list_contains($gpus, gpu_uuid)"
+            "      OR list_contains($req, request_id))"
+            " AND (trace_id IS NULL OR (trace_id <> $tid"
+            "      AND (layer <= 4 OR list_contains($req, request_id))))"
+            " GROUP BY ALL ORDER BY first_ts",
+            {
+                "req": request_ids,
+                "gpus": gpus,
+                "hosts": hosts,
+                "t0": t_start,
+                "t1": t_end,
+                "tid": trace_id or "",
+                "k": ids_per_group,
+            },
         )
     )
 
 
-def fetch_events(con: duckdb.DuckDBPyConnection, event_ids: list[str]) -> list[dict[str, Any]]:
+def fetch_events(
+    con: duckdb.DuckDBPyConnection, event_ids: list[str], *, t_start: int, t_end: int
+) -> list[dict[str, Any]]:
+    """Whole rows for the given event ids, all within [t_start, t_end]."""
+    if not event_ids:
+        return []
     return _dicts(
         con.execute(
-            f"SELECT {_EC_COLS} FROM error_context WHERE list_contains(?::VARCHAR[], event_id)"
-            " ORDER BY ts",
-            [event_ids],
+            f"SELECT {_EC_COLS} FROM error_context WHERE ts BETWEEN ? AND ?"
+            " AND list_contains(?::VARCHAR[], event_id) ORDER BY ts",
+            [t_start, t_end, event_ids],
         )
     )
 
@@ -92,10 +127,6 @@ def recent_traces(
             [min_http_status, limit],
         )
     )
-
-
-def open_for_query(store: Store):  # type: ignore[no-untyped-def]
-    return store.read()
 
 
 def root_status_counts(con: duckdb.DuckDBPyConnection, trace_ids: list[str]) -> dict[int, int]:

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -74,17 +75,38 @@ class Store:
         self._ready = False
 
     # -- connections -------------------------------------------------------
+    @property
+    def _waiting_flag(self) -> Path:
+        return self.path.with_name(self.path.name + ".writer-waiting")
+
+    def writer_waiting(self) -> bool:
+        """True while a writer in some process is queuing for the DuckDB file."""
+        try:
+            return time.time() - self._waiting_flag.stat().st_mtime < 30.0
+        except FileNotFoundError:
+            return False
+
     def _connect(self, read_only: bool) -> duckdb.DuckDBPyConnection:
         deadline = time.monotonic() + self.lock_timeout
         delay = 0.005
-        while True:
-            try:
-                return duckdb.connect(str(self.path), read_only=read_only)
-            except duckdb.Error as exc:
-                if not _is_lock_error(exc) or time.monotonic() > deadline:
-                    raise StoreError(f"cannot open store {self.path}: {exc}") from exc
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 0.1)
+        flagged = False
+        try:
+            while True:
+                try:
+                    return duckdb.connect(str(self.path), read_only=read_only)
+                except duckdb.Error as exc:
+                    if not _is_lock_error(exc) or time.monotonic() > deadline:
+                        raise StoreError(f"cannot open store {self.path}: {exc}") from exc
+                if not read_only:
+                    # ask readers (see _SharedReader) to let go of the file
+                    self._waiting_flag.touch()
+                    flagged = True
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 0.1)
+        finally:
+            if flagged:
+                with contextlib.suppress(FileNotFoundError):
+                    self._waiting_flag.unlink()
 
     @contextlib.contextmanager
     def writer_lock(self, *, blocking: bool = True) -> Iterator[bool]:
@@ -109,36 +131,53 @@ class Store:
     def write(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """A read-write connection, schema migrated; hold it for one batch only."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        con = self._connect(read_only=False)
-        try:
-            self._migrate(con)
-            yield con
-        finally:
-            con.close()
+        reader = _shared_reader(self)
+        with reader.exclusive():  # this process's readers let go of the file first
+            con = self._connect(read_only=False)
+            try:
+                self._migrate(con)
+                yield con
+            finally:
+                con.close()
 
     @contextlib.contextmanager
     def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A read-only connection; creates an empty store first if there is none."""
-        if not self._ready:
-            if not self.path.exists() or self.schema_version_on_disk() < len(self.migrations):
-                with self.writer_lock(), self.write():
-                    pass
-            self._ready = True
-        con = self._connect(read_only=True)
+        """A read-only cursor; creates or migrates the store first if needed.
+
+        Cursors come from one read-only DuckDB instance per process and file
+        (opening an instance costs ~15 ms), which is closed after a short idle
+        time or as soon as a writer in any process queues for the file.
+        """
+        if not self.path.exists():
+            with self.writer_lock(), self.write():
+                pass
+        reader = _shared_reader(self)
+        cur = reader.acquire(self)
         try:
-            yield con
+            if not self._ready:
+                version = _read_version(cur)
+                if version != len(self.migrations):
+                    reader.release(cur)
+                    cur = None
+                    with self.writer_lock(), self.write():
+                        pass  # migrates, or raises for a newer store
+                    cur = reader.acquire(self)
+                self._ready = True
+            yield cur
         finally:
-            con.close()
+            if cur is not None:
+                reader.release(cur)
 
     # -- schema ------------------------------------------------------------
     def schema_version_on_disk(self) -> int:
         if not self.path.exists():
             return 0
-        con = self._connect(read_only=True)
+        reader = _shared_reader(self)
+        cur = reader.acquire(self)
         try:
-            return _read_version(con)
+            return _read_version(cur)
         finally:
-            con.close()
+            reader.release(cur)
 
     def _migrate(self, con: duckdb.DuckDBPyConnection) -> None:
         con.execute("CREATE TABLE IF NOT EXISTS rca_meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
@@ -209,8 +248,9 @@ class Store:
 
     @staticmethod
     def source_loaded(con: duckdb.DuckDBPyConnection, key: str) -> bool:
-        row = con.execute("SELECT 1 FROM ingest_ledger WHERE source_key = ?", [key]).fetchone()
-        return row is not None
+        return bool(
+            con.execute("SELECT 1 FROM ingest_ledger WHERE source_key = ?", [key]).fetchall()
+        )
 
     @staticmethod
     def mark_source_loaded(con: duckdb.DuckDBPyConnection, key: str, path: str, rows: int) -> None:
@@ -223,7 +263,7 @@ class Store:
     def counts(self) -> dict[str, int]:
         with self.read() as con:
             return {
-                t.name: con.execute(f"SELECT count(*) FROM {t.name}").fetchone()[0]  # noqa: S608
+                t.name: con.execute(f"SELECT count(*) FROM {t.name}").fetchall()[0][0]  # noqa: S608
                 for t in S.TABLES
             }
 
@@ -240,7 +280,122 @@ class Store:
 
 def _read_version(con: duckdb.DuckDBPyConnection) -> int:
     try:
-        row = con.execute("SELECT value FROM rca_meta WHERE key = 'schema_version'").fetchone()
+        rows = con.execute("SELECT value FROM rca_meta WHERE key = 'schema_version'").fetchall()
     except duckdb.CatalogException:
         return 0
-    return int(row[0]) if row else 0
+    return int(rows[0][0]) if rows else 0
+
+
+class _SharedReader:
+    """One read-only DuckDB instance per (process, file), shared through cursors.
+
+    DuckDB lets either one read-write process or any number of read-only ones
+    hold a file. Keeping an instance open makes repeated queries cheap but
+    would starve writers in other processes, so the instance is closed when
+    idle for ``idle_s``, when older than ``max_age_s``, and, whenever no
+    cursor is in use, as soon as a writer has flagged that it is waiting.
+    """
+
+    def __init__(self, store: Store, *, idle_s: float = 0.5, max_age_s: float = 5.0) -> None:
+        self.store = store
+        self.idle_s = idle_s
+        self.max_age_s = max_age_s
+        self._cond = threading.Condition()
+        self._db: duckdb.DuckDBPyConnection | None = None
+        self._users = 0
+        self._opened = 0.0
+        self._timer: threading.Timer | None = None
+        self._exclusive = 0
+
+    def acquire(self, store: Store | None = None) -> duckdb.DuckDBPyConnection:
+        """A cursor on the shared instance, opened with ``store``'s lock timeout."""
+        store = store or self.store
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            if (
+                self._db is not None
+                and self._users == 0
+                and (
+                    time.monotonic() - self._opened > self.max_age_s or self.store.writer_waiting()
+                )
+            ):
+                self._close()
+            if self._db is None:
+                if self.store.writer_waiting():
+                    self._wait_for_writer()
+                self._db = store._connect(read_only=True)
+                self._opened = time.monotonic()
+            self._users += 1
+            try:
+                return self._db.cursor()
+            except Exception:
+                self._users -= 1
+                raise
+
+    def release(self, cur: duckdb.DuckDBPyConnection) -> None:
+        with contextlib.suppress(duckdb.Error):
+            cur.close()
+        with self._cond:
+            self._users -= 1
+            if self._users == 0:
+                if self.store.writer_waiting():
+                    self._close()
+                else:
+                    self._arm_timer()
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Close this process's read instance and hold new readers off."""
+        with self._cond:
+            self._exclusive += 1
+            while self._users:
+                self._cond.wait()
+            self._close()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive -= 1
+                self._cond.notify_all()
+
+    def _wait_for_writer(self) -> None:
+        deadline = time.monotonic() + 2.0
+        while self.store.writer_waiting() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _arm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(self.idle_s, self._idle_close)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _idle_close(self) -> None:
+        with self._cond:
+            if self._users == 0:
+                self._close()
+
+    def _close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._db is not None:
+            with contextlib.suppress(duckdb.Error):
+                self._db.close()
+            self._db = None
+
+
+_READERS: dict[Path, _SharedReader] = {}
+_READERS_LOCK = threading.Lock()
+
+
+def _shared_reader(store: Store) -> _SharedReader:
+    key = store.path.resolve()
+    with _READERS_LOCK:
+        reader = _READERS.get(key)
+        if reader is None or os.getpid() != getattr(reader, "_pid", os.getpid()):
+            reader = _READERS[key] = _SharedReader(store)
+            reader._pid = os.getpid()  # type: ignore[attr-defined]
+        return reader

@@ -29,6 +29,7 @@ __all__ = [
     "Scope",
     "rank_root_causes",
     "evidence_from_rows",
+    "evidence_from_groups",
     "symptom_from_spans",
 ]
 
@@ -60,6 +61,8 @@ class Evidence:
     severity: str = "error"
     message: str | None = None
     source: str | None = None
+    count: int = 1  # rows this item stands for (context is aggregated per code and scope)
+    more_ids: tuple[str, ...] = ()  # further event ids of the same group
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,23 @@ def symptom_from_spans(spans: list[dict[str, Any]], catalog: Catalog) -> tuple[s
         return None, 0
     code, t = best[2].split("|")
     return code, int(t)
+
+
+def evidence_from_groups(groups: Iterable[dict[str, Any]]) -> list[Evidence]:
+    """Evidence from aggregated context rows (see ``ingest.queries.fetch_context``)."""
+    return [
+        Evidence(
+            event_id=g["event_ids"][0],
+            code=g["code"],
+            ts=int(g["first_ts"]),
+            scope=g["scope"],
+            confidence=float(g["confidence"]) if g.get("confidence") is not None else 1.0,
+            severity=g.get("severity") or "error",
+            count=int(g["n"]),
+            more_ids=tuple(g["event_ids"][1:]),
+        )
+        for g in groups
+    ]
 
 
 def evidence_from_rows(rows: Iterable[dict[str, Any]], scope: str) -> list[Evidence]:
@@ -248,7 +268,7 @@ def rank_root_causes(
             "scope": max(SCOPE_WEIGHT.get(e.scope, 0.5) for e in evs),
             "depth": (7 - catalog[cand].layer) / 6,
             "confidence": max(e.confidence for e in evs),
-            "support": math.log1p(len(evs)),
+            "support": math.log1p(sum(e.count for e in evs)),
         }
         s = sum(getattr(w, k) * v for k, v in feats.items())
         scored.append((s, cand, chain, feats))
@@ -261,7 +281,12 @@ def rank_root_causes(
     for i, (s, cand, chain, feats) in enumerate(scored[:top]):
         code = catalog[cand]
         chain_obs = [c for c in chain if c in observed]
-        ev_ids = [e.event_id for c in chain_obs for e in sorted(by_code[c], key=lambda e: e.ts)]
+        ev_ids = [
+            i
+            for c in chain_obs
+            for e in sorted(by_code[c], key=lambda e: e.ts)
+            for i in (e.event_id, *e.more_ids)
+        ]
         causes.append(
             RootCause(
                 rank=i + 1,

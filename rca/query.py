@@ -13,7 +13,14 @@ from ingest import queries
 from ingest.paths import default_db_path, spool_dir_for
 from ingest.spool import load_spool
 from ingest.store import Store
-from rca.engine import Diagnosis, Scope, Weights, evidence_from_rows, rank_root_causes
+from rca.engine import (
+    Diagnosis,
+    Scope,
+    Weights,
+    evidence_from_groups,
+    evidence_from_rows,
+    rank_root_causes,
+)
 from rca.engine import symptom_from_spans as _symptom_from_spans
 
 __all__ = ["diagnose_trace", "open_store", "DEFAULT_WINDOW_S"]
@@ -82,7 +89,7 @@ def diagnose_trace(
             )
         t_first = min([r["ts"] for r in rows.records] + [s["start_ns"] for s in rows.spans])
         t_start = min(t_first, t_sym) - int(window_s * 1e9)
-        t_end = t_sym + 5_000_000_000
+        t_end = max([t_sym + 5_000_000_000] + [r["ts"] for r in rows.records])
         hosts = sorted({x["host"] for x in rows.spans + rows.records if x.get("host")})
         gpus = sorted({r["gpu_uuid"] for r in rows.records if r.get("gpu_uuid")})
         req_ids = _request_ids(rows.spans, rows.records)
@@ -95,33 +102,25 @@ def diagnose_trace(
             gpus=gpus,
             request_ids=req_ids,
         )
-    evidence = evidence_from_rows(rows.records, Scope.TRACE)
-    for r in context:
-        if r.get("trace_id") and r["trace_id"] != tid and (r.get("layer") or 7) >= 5:
-            continue  # another request's own engine/model/API symptoms
-        if r.get("request_id") and r["request_id"] in req_ids:
-            scope = Scope.REQUEST
-        elif r.get("gpu_uuid") and r["gpu_uuid"] in gpus:
-            scope = Scope.GPU
-        else:
-            scope = Scope.HOST
-        evidence.extend(evidence_from_rows([r], scope))
-    symptom, causes = rank_root_causes(
-        default_topology(),
-        evidence,
-        catalog=catalog,
-        symptom=symptom,
-        symptom_ts=t_sym,
-        weights=weights,
-        top=top,
-    )
-    by_id = {r["event_id"]: r for r in rows.records + context}
-    used = {e for c in causes for e in c.evidence}
+        evidence = evidence_from_rows(rows.records, Scope.TRACE)
+        evidence += evidence_from_groups(context)
+        symptom, causes = rank_root_causes(
+            default_topology(),
+            evidence,
+            catalog=catalog,
+            symptom=symptom,
+            symptom_ts=t_sym,
+            weights=weights,
+            top=top,
+        )
+    used = {e for c in causes[:1] for e in c.evidence}
+    shown = [r for r in rows.records if r["event_id"] in used]
+    shown += [r for g in context for r in g["rows"] if r["event_id"] in used]
     return Diagnosis(
         trace_id=tid,
         symptom=symptom,
         causes=causes,
         window=(t_start, t_end),
-        evidence_rows=len(evidence),
-        evidence=[by_id[e] for e in by_id if e in used],
+        evidence_rows=sum(e.count for e in evidence),
+        evidence=shown,
     )

@@ -106,15 +106,18 @@ def fill_store(
             ts = T0_NS + (np.arange(done, done + n, dtype=np.int64) * (DAY_NS // max(rows, 1)))
             ts += rng.integers(0, 1_000_000, n)
             code_idx = pa.array(rng.choice(len(codes), n, p=probs))
-            host_idx = rng.integers(0, hosts, n)
-            gpu_local = rng.integers(0, gpus_per_host, n)
             n_traces = max(1, n // 4)
             trace_pool = _hex_ids(rng, n_traces, 16)
-            # consecutive records share a trace (a request's evidence arrives together)
+            # consecutive records share a trace (a request's evidence arrives together),
+            # and a trace runs on one host and GPU
             tr_idx = np.minimum(np.arange(n) // 4 + rng.integers(-1, 2, n), n_traces - 1)
             tr_idx = np.maximum(tr_idx, 0)
-            trace = pa.array(trace_pool).take(pa.array(tr_idx))
+            trace_host = rng.integers(0, hosts, n_traces)
+            trace_gpu = rng.integers(0, gpus_per_host, n_traces)
             has_trace = rng.random(n) >= 0.10
+            host_idx = np.where(has_trace, trace_host[tr_idx], rng.integers(0, hosts, n))
+            gpu_local = np.where(has_trace, trace_gpu[tr_idx], rng.integers(0, gpus_per_host, n))
+            trace = pa.array(trace_pool).take(pa.array(tr_idx))
             trace = pa.compute.if_else(pa.array(has_trace), trace, pa.scalar(None, pa.string()))
             span_ids = _hex_ids(rng, n, 8)
             req = pa.compute.binary_join_element_wise("cmpl-", trace, "")

@@ -24,6 +24,7 @@ __all__ = [
     "ERROR_CONTEXT",
     "SPANS",
     "QUARANTINE",
+    "METRICS",
     "TABLES",
     "ErrorContext",
     "Span",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 #: Bumped whenever a migration is added to :mod:`ingest.migrations`.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,27 @@ QUARANTINE = Table(
     ),
 )
 
-TABLES: tuple[Table, ...] = (ERROR_CONTEXT, SPANS, QUARANTINE)
+METRICS = Table(
+    "metrics",
+    (
+        _c("ts", "BIGINT", pa.int64(), False, "sample time, ns"),
+        _c("host", "VARCHAR", _STR),
+        _c("gpu_uuid", "VARCHAR", _STR),
+        _c(
+            "name",
+            "VARCHAR",
+            _STR,
+            False,
+            "metric name as exposed, e.g. vllm:num_preemptions_total",
+        ),
+        _c("labels", "VARCHAR", _STR, doc="JSON object of the sample's labels"),
+        _c("value", "DOUBLE", pa.float64(), False),
+        _c("source", "VARCHAR", _STR, False, "scrape file, URL or receiver"),
+    ),
+    indexes=(),
+)
+
+TABLES: tuple[Table, ...] = (ERROR_CONTEXT, SPANS, QUARANTINE, METRICS)
 
 
 def arrow_schema(table: Table) -> pa.Schema:

@@ -40,7 +40,7 @@ from ingest.store import Store
 
 __all__ = ["SpoolWriter", "LoadReport", "load_spool", "encode_line", "decode_line"]
 
-_KIND_TABLE = {"e": S.ERROR_CONTEXT, "s": S.SPANS}
+_KIND_TABLE = {"e": S.ERROR_CONTEXT, "s": S.SPANS, "m": S.METRICS}
 _RAW_LIMIT = 64 * 1024
 
 
@@ -104,6 +104,10 @@ class SpoolWriter:
     def emit(self, record: S.ErrorContext | S.Span) -> None:
         kind = "s" if isinstance(record, S.Span) else "e"
         self.write_row(kind, record.to_row())
+
+    def emit_metric(self, row: dict[str, Any]) -> None:
+        """A metric sample as a row of ``ingest.schema.METRICS``."""
+        self.write_row("m", row)
 
     def write_row(self, kind: str, row: dict[str, Any]) -> None:
         line = encode_line(kind, row)
@@ -170,7 +174,9 @@ class SpoolWriter:
 @dataclass
 class LoadReport:
     segments: int = 0
-    rows: dict[str, int] = field(default_factory=lambda: {"error_context": 0, "spans": 0})
+    rows: dict[str, int] = field(
+        default_factory=lambda: {"error_context": 0, "spans": 0, "metrics": 0}
+    )
     quarantined: int = 0
     deleted: int = 0
     skipped_busy: bool = False
@@ -224,7 +230,7 @@ def _writer_state(path: Path) -> Iterator[bool | None]:
 
 def _read_chunk(path: Path, start: int, finished: bool) -> _Chunk:
     stem = path.stem
-    rows: dict[str, list[dict[str, Any]]] = {"e": [], "s": []}
+    rows: dict[str, list[dict[str, Any]]] = {"e": [], "s": [], "m": []}
     bad: list[tuple[int, str, bytes]] = []
     with open(path, "rb") as fh:
         fh.seek(start)

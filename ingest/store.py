@@ -33,7 +33,7 @@ Migration = Callable[[duckdb.DuckDBPyConnection], None]
 
 
 def _migration_1(con: duckdb.DuckDBPyConnection) -> None:
-    for table in S.TABLES:
+    for table in (S.ERROR_CONTEXT, S.SPANS, S.QUARANTINE):
         for stmt in S.create_table_sql(table):
             con.execute(stmt)
     con.execute(
@@ -47,8 +47,14 @@ def _migration_1(con: duckdb.DuckDBPyConnection) -> None:
     )
 
 
+def _migration_2(con: duckdb.DuckDBPyConnection) -> None:
+    """Metric samples (Prometheus scrapes, NVML readings)."""
+    for stmt in S.create_table_sql(S.METRICS):
+        con.execute(stmt)
+
+
 #: Numbered migrations: index i brings a store from version i to i+1.
-MIGRATIONS: tuple[Migration, ...] = (_migration_1,)
+MIGRATIONS: tuple[Migration, ...] = (_migration_1, _migration_2)
 assert len(MIGRATIONS) == S.SCHEMA_VERSION
 
 _LOCK_MARKERS = ("Could not set lock", "Conflicting lock")

@@ -69,7 +69,8 @@ def test_record_survives_spool_and_store_with_the_same_values(tmp_path: Path, st
     )
     w.close()
     rep = load_spool(store, spool)
-    assert rep.rows == {"error_context": 51, "spans": 1} and rep.quarantined == 0
+    assert rep.rows == {"error_context": 51, "spans": 1, "metrics": 0}
+    assert rep.quarantined == 0
     got = _all_records(store)
     assert sorted(got, key=lambda r: r.event_id) == sorted(recs, key=lambda r: r.event_id)
 

@@ -29,7 +29,7 @@ def test_schema_version_is_stored_and_migrations_run_in_order(tmp_path) -> None:
     newer = Store(path, migrations=(*MIGRATIONS, add_column))
     assert newer.counts()["error_context"] == 1  # read() migrates first
     assert applied == [2]
-    assert newer.schema_version_on_disk() == 2
+    assert newer.schema_version_on_disk() == len(MIGRATIONS) + 1
     with newer.read() as con:
         cols = [r[0] for r in con.execute("DESCRIBE error_context").fetchall()]
     assert "model" in cols
@@ -48,7 +48,7 @@ def test_failed_migration_rolls_back(tmp_path) -> None:
 
     with pytest.raises(RuntimeError), Store(path, migrations=(*MIGRATIONS, broken)).write():
         pass
-    assert Store(path).schema_version_on_disk() == 1
+    assert Store(path).schema_version_on_disk() == len(MIGRATIONS)
     with Store(path).read() as con:
         tables = {r[0] for r in con.execute("SHOW TABLES").fetchall()}
     assert "half_done" not in tables
@@ -99,3 +99,17 @@ def test_lock_timeout_gives_a_store_error_naming_the_file(tmp_path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_version_1_store_is_migrated_in_place_keeping_its_rows(tmp_path) -> None:
+    path = tmp_path / "old.duckdb"
+    old = Store(path, migrations=MIGRATIONS[:1])
+    old.insert_records([_rec(message="from v1")])
+    assert old.schema_version_on_disk() == 1
+    with old.read() as con:
+        assert "metrics" not in {r[0] for r in con.execute("SHOW TABLES").fetchall()}
+    new = Store(path)
+    assert new.counts()["metrics"] == 0
+    assert new.schema_version_on_disk() == 2
+    with new.read() as con:
+        assert con.execute("SELECT message FROM error_context").fetchall() == [("from v1",)]

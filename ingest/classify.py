@@ -1,0 +1,327 @@
+"""Vectorized text -> code classification for batches of lines.
+
+1. One combined regex of every catalog pattern (Rust regex through polars)
+   selects the candidate lines: most server output is dropped here at
+   millions of lines per second.
+2. Each pattern runs (vectorized) over the candidates only; a line takes the
+   code whose pattern matched the longest span (the most specific).
+3. Lines no pattern knows but that look like errors go to a learned fallback
+   (scikit-learn: TF-IDF over words and character n-grams + logistic
+   regression, trained on the catalog's examples and on ordinary server
+   output as the "no fault" class). It answers only above a confidence
+   threshold: a confident wrong answer is worse than "unknown".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from graph.catalog import Catalog, Code, default_catalog
+from ingest.normalize import redact
+
+__all__ = [
+    "Batch",
+    "LineResult",
+    "Normalizer",
+    "default_normalizer",
+    "required_literals",
+    "ERRORISH",
+]
+
+#: Lines worth showing to the learned fallback when no pattern matched.
+ERRORISH = (
+    r"(?i)(error|exception|traceback|fail|fatal|abort|panic|killed|timed? ?out|timeout|"
+    r"refused|denied|invalid|illegal|cannot|can't|unable|not found|nan\b|\binf\b|overflow|"
+    r"out of memory|oom|segfault|segmentation|assert|corrupt|mismatch|unavailable|exceed)"
+)
+_GENERIC_FIELDS = (
+    ("pci", re.compile(r"PCI:(?P<v>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})")),
+    ("pid", re.compile(r"\bpid[=: ]'?(?P<v>\d+)")),
+    ("request_id", re.compile(r"\b(?P<v>(?:chatcmpl|cmpl|req)-[0-9A-Za-z_-]{6,})")),
+    ("rank", re.compile(r"\[?[Rr]ank ?(?P<v>\d+)\]?")),
+    ("http_status", re.compile(r'HTTP/\d(?:\.\d)?" (?P<v>[1-5]\d\d)\b')),
+)
+NONE_LABEL = "__none__"
+
+
+@dataclass(frozen=True, slots=True)
+class LineResult:
+    line: int
+    code: str | None
+    family: str | None
+    layer: int | None
+    severity: str | None
+    confidence: float | None
+    fields: dict[str, Any] = field(default_factory=dict)
+    method: str | None = None  # "pattern" | "model" | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "line": self.line,
+            "code": self.code,
+            "family": self.family,
+            "layer": self.layer,
+            "severity": self.severity,
+            "confidence": self.confidence,
+            "fields": self.fields,
+        }
+
+
+def required_literals(pattern: str, *, avoid: Sequence[str] = ()) -> list[str] | None:
+    """Literal strings at least one of which every match of ``pattern`` contains.
+
+    Walks Python's parse of the pattern: runs of literal characters in the
+    top-level sequence, or a required group's or alternation's own literals.
+    Of the possible sets it picks the one least found in ``avoid`` (sample
+    ordinary lines, lower-cased), then the longest. None when there is none.
+    """
+    import re._constants as C
+    import re._parser as P
+
+    def walk(seq: Any, top: bool = False) -> Any:
+        cands: list[list[str]] = []
+        run: list[str] = []
+        for op, av in seq:
+            if op is C.LITERAL:
+                run.append(chr(av))
+                continue
+            if run:
+                cands.append(["".join(run)])
+                run = []
+            if op is C.SUBPATTERN:
+                sub = walk(av[-1])
+            elif op is C.BRANCH:
+                alts: list[str] | None = []
+                for branch in av[1]:
+                    lits = walk(branch)
+                    if not lits:
+                        alts = None
+                        break
+                    alts += lits
+                sub = alts or None
+            elif op in (C.MAX_REPEAT, C.MIN_REPEAT) and av[0] >= 1:
+                sub = walk(av[2])
+            else:
+                sub = None
+            if sub:
+                cands.append(sub)
+        if run:
+            cands.append(["".join(run)])
+        if not cands:
+            return None
+        if top:
+            return cands
+        return max(cands, key=lambda alts: min(len(a) for a in alts))
+
+    sets = walk(P.parse(pattern), top=True)
+    if not sets:
+        return None
+
+    def cost(alts: list[str]) -> tuple[int, int]:
+        low = [a.lower() for a in alts]
+        hits = sum(1 for line in avoid if any(a in line for a in low))
+        return hits, -min(len(a) for a in alts)
+
+    return min(sets, key=cost)
+
+
+def _coerce(v: str) -> Any:
+    return int(v) if v.isdigit() and len(v) < 19 else v
+
+
+class Batch:
+    """Results of one batch: ``matches`` maps a line index to (code, confidence,
+    fields, method); lines absent from it carry no fault evidence."""
+
+    __slots__ = ("n", "matches")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.matches: dict[int, tuple[Code, float, dict[str, Any], str]] = {}
+
+    def set(self, idx: int, code: Code, conf: float, fields: dict[str, Any], method: str) -> None:
+        self.matches[idx] = (code, conf, fields, method)
+
+
+class _Fallback:
+    """TF-IDF + logistic regression over catalog examples vs ordinary lines."""
+
+    def __init__(self, catalog: Catalog, *, seed: int = 0) -> None:
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.pipeline import FeatureUnion, make_pipeline
+
+        from ingest.corpus import benign_lines
+
+        texts: list[str] = []
+        labels: list[str] = []
+        for code in catalog:
+            for ex in code.examples:
+                texts.append(_strip_numbers(ex))
+                labels.append(code.name)
+        benign = benign_lines(max(400, len(texts)), seed=seed)
+        texts += [_strip_numbers(b) for b in benign]
+        labels += [NONE_LABEL] * len(benign)
+        features = FeatureUnion(
+            [
+                (
+                    "words",
+                    TfidfVectorizer(
+                        token_pattern=r"[A-Za-z_][A-Za-z_]+",
+                        ngram_range=(1, 2),
+                        sublinear_tf=True,
+                        min_df=1,
+                    ),
+                ),
+                (
+                    "chars",
+                    TfidfVectorizer(
+                        analyzer="char_wb",
+                        ngram_range=(3, 5),
+                        sublinear_tf=True,
+                        min_df=2,
+                        max_features=60000,
+                    ),
+                ),
+            ]
+        )
+        self.model = make_pipeline(features, LogisticRegression(C=20.0, max_iter=2000))
+        self.model.fit(texts, labels)
+        self.classes = list(self.model.classes_)
+
+    def predict(self, lines: Sequence[str]) -> tuple[list[str], np.ndarray]:
+        proba = self.model.predict_proba([_strip_numbers(t) for t in lines])
+        best = proba.argmax(axis=1)
+        return [self.classes[i] for i in best], proba[np.arange(len(lines)), best]
+
+
+_NUM = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
+
+
+def _strip_numbers(text: str) -> str:
+    return _NUM.sub("0", text)
+
+
+class Normalizer:
+    """Classify batches of lines against the catalog; build once, reuse."""
+
+    def __init__(self, catalog: Catalog, *, fallback: bool = True, threshold: float = 0.6) -> None:
+        self.catalog = catalog
+        self.threshold = threshold
+        self._use_fallback = fallback
+        self._fallback: _Fallback | None = None
+        self._rules: list[tuple[re.Pattern[str], Code]] = []
+        self._by_literal: dict[str, list[int]] = {}
+        self._no_literal: list[int] = []
+        from ingest.corpus import benign_lines
+
+        avoid = [line.lower() for line in benign_lines(3000, seed=99)]
+        for code in catalog:
+            for pat in code.patterns:
+                i = len(self._rules)
+                self._rules.append((re.compile(pat), code))
+                lits = required_literals(pat, avoid=avoid)
+                if not lits:
+                    self._no_literal.append(i)
+                for lit in lits or ():
+                    self._by_literal.setdefault(lit.lower(), []).append(i)
+        self._literals = sorted(self._by_literal)
+
+    # -- batches -------------------------------------------------------------
+    def classify_batch(self, lines: Sequence[str]) -> Batch:
+        """Columnar results for a batch: only matched lines cost Python work."""
+        n = len(lines)
+        batch = Batch(n)
+        if n == 0:
+            return batch
+        s = pl.Series("t", lines, dtype=pl.String)
+        hit = s.str.contains_any(self._literals, ascii_case_insensitive=True).fill_null(False)
+        hit = hit.to_numpy().copy()
+        cand = np.flatnonzero(hit)
+        if len(cand):
+            found = s.gather(cand).str.extract_many(
+                self._literals, ascii_case_insensitive=True, overlapping=True
+            )
+            for idx, lits in zip(cand.tolist(), found.to_list(), strict=True):
+                text = lines[idx]
+                rule_ids = {r for lit in lits for r in self._by_literal[lit.lower()]}
+                best, best_len = None, -1
+                for r in sorted(rule_ids.union(self._no_literal)):
+                    rx, code = self._rules[r]
+                    mt = rx.search(text)
+                    if mt is not None and mt.end() - mt.start() > best_len:
+                        best, best_len = (mt, code), mt.end() - mt.start()
+                if best is None:
+                    hit[idx] = False
+                    continue
+                mt, code = best
+                f = {k: _coerce(v) for k, v in mt.groupdict().items() if v}
+                batch.set(idx, code, 1.0, self._generic_fields(text, f), "pattern")
+        if self._use_fallback:
+            errorish = s.str.contains(ERRORISH).fill_null(False).to_numpy() & ~hit
+            rest = np.flatnonzero(errorish).tolist()
+            if rest:
+                labels, probs = self._model().predict([lines[i] for i in rest])
+                for idx, lab, p in zip(rest, labels, probs, strict=True):
+                    if lab != NONE_LABEL and p >= self.threshold:
+                        f = self._generic_fields(lines[idx], {})
+                        batch.set(idx, self.catalog[lab], float(p), f, "model")
+        return batch
+
+    def classify(self, lines: Sequence[str], *, first_line: int = 1) -> list[LineResult]:
+        """One result per input line, in order (``line`` counts from first_line)."""
+        b = self.classify_batch(lines)
+        empty = LineResult(0, None, None, None, None, None)
+        out = []
+        for i in range(len(lines)):
+            m = b.matches.get(i)
+            if m is None:
+                out.append(dataclasses.replace(empty, line=first_line + i, fields={}))
+                continue
+            code, conf, fields, method = m
+            out.append(
+                LineResult(
+                    first_line + i,
+                    code.name,
+                    code.family,
+                    code.layer,
+                    str(code.severity),
+                    round(conf, 3),
+                    fields,
+                    method,
+                )
+            )
+        return out
+
+    def classify_line(self, line: str) -> LineResult:
+        return self.classify([line])[0]
+
+    # -- internals -----------------------------------------------------------
+    def _model(self) -> _Fallback:
+        if self._fallback is None:
+            self._fallback = _Fallback(self.catalog)
+        return self._fallback
+
+    @staticmethod
+    def _generic_fields(text: str, fields: dict[str, Any]) -> dict[str, Any]:
+        for name, rx in _GENERIC_FIELDS:
+            if name not in fields and (m := rx.search(text)):
+                fields[name] = _coerce(m["v"])
+        return fields
+
+
+@cache
+def default_normalizer() -> Normalizer:
+    return Normalizer(default_catalog())
+
+
+def redact_all(lines: Sequence[str]) -> list[str]:
+    return [redact(x) for x in lines]

@@ -1,0 +1,113 @@
+"""Realistic ordinary server output (not evidence of a fault), from the formats
+vLLM, TGI, Triton, NCCL, uvicorn and the kernel really print.
+
+Used as the negative class of the learned fallback classifier and as the bulk
+of the lines in ``rca bench ingest``. Values vary; the shapes are real.
+"""
+
+from __future__ import annotations
+
+import random
+
+__all__ = ["benign_lines", "BENIGN_TEMPLATES"]
+
+BENIGN_TEMPLATES: tuple[str, ...] = (
+    "INFO {md} {hms} metrics.py:351] Avg prompt throughput: {f1} tokens/s, Avg generation "
+    "throughput: {f2} tokens/s, Running: {n1} reqs, Swapped: 0 reqs, Pending: {n2} reqs, GPU KV "
+    "cache usage: {pct}%, CPU KV cache usage: 0.0%.",
+    "INFO {md} {hms} [loggers.py:123] Engine 000: Avg prompt throughput: {f1} tokens/s, Avg "
+    "generation throughput: {f2} tokens/s, Running: {n1} reqs, Waiting: {n2} reqs, GPU KV cache "
+    "usage: {pct}%, Prefix cache hit rate: {pct2}%",
+    'INFO:     {ip}:{port} - "POST /v1/chat/completions HTTP/1.1" 200 OK',
+    'INFO:     {ip}:{port} - "POST /v1/completions HTTP/1.1" 200 OK',
+    'INFO:     {ip}:{port} - "GET /health HTTP/1.1" 200 OK',
+    'INFO:     {ip}:{port} - "GET /metrics HTTP/1.1" 200 OK',
+    'INFO:     {ip}:{port} - "GET /v1/models HTTP/1.1" 200 OK',
+    "INFO {md} {hms} [async_llm.py:261] Added request chatcmpl-{hex}.",
+    "INFO {md} {hms} [logger.py:43] Received request cmpl-{hex}-0: params: SamplingParams(n=1, "
+    "temperature={t}, top_p=0.95, max_tokens={n3}), lora_request: None.",
+    "INFO {md} {hms} [engine.py:310] Finished request cmpl-{hex}.",
+    "INFO {md} {hms} [gpu_model_runner.py:1712] Model loading took {f3} GiB and {f4} seconds",
+    "INFO {md} {hms} [gpu_worker.py:227] Available KV cache memory: {f3} GiB",
+    "INFO {md} {hms} [kv_cache_utils.py:716] GPU KV cache size: {n4} tokens",
+    "INFO {md} {hms} [kv_cache_utils.py:720] Maximum concurrency for 8192 tokens per request: "
+    "{f1}x",
+    "INFO {md} {hms} [gpu_model_runner.py:2030] Graph capturing finished in {n1} secs, took "
+    "{f5} GiB",
+    "INFO {md} {hms} [core.py:171] init engine (profile, create kv cache, warmup model) took "
+    "{f4} seconds",
+    "INFO {md} {hms} [api_server.py:1350] Starting vLLM API server 0 on http://0.0.0.0:8000",
+    "INFO {md} {hms} [launcher.py:37] Route: /v1/chat/completions, Methods: POST",
+    "INFO {md} {hms} [default_loader.py:262] Loading weights took {f4} seconds",
+    "Loading safetensors checkpoint shards:  {pct0}% Completed | {n5}/4 [00:0{n5}<00:00,  "
+    "{f6}it/s]",
+    "{iso}  INFO text_generation_router::server: router/src/server.rs:1865: Connected",
+    "{iso}  INFO generate{{parameters=GenerateParameters {{ best_of: None, temperature: Some({t}),"
+    ' max_new_tokens: Some({n3}) }} total_time="{f4}s" validation_time="{f7}ms" '
+    'queue_time="{f7}ms" inference_time="{f4}s" time_per_token="{f7}ms" '
+    'seed="None"}}: text_generation_router::server: router/src/server.rs:305: Success',
+    "{iso}  INFO text_generation_launcher: Waiting for shard to be ready... rank=0",
+    "{iso}  INFO shard-manager: text_generation_launcher: Shard ready in {f4}s rank=0",
+    "I{md2} {hms}.{us} 1 grpc_server.cc:2495] Started GRPCInferenceService at 0.0.0.0:8001",
+    "I{md2} {hms}.{us} 1 http_server.cc:4694] Started HTTPService at 0.0.0.0:8000",
+    "I{md2} {hms}.{us} 1 model_lifecycle.cc:818] successfully loaded 'ensemble'",
+    "I{md2} {hms}.{us} 1 server.cc:674] +------------------+---------+--------+",
+    "gpu-node-{n6}:{pid}:{pid} [0] NCCL INFO Channel 0{n5}/24 :    0   1   2   3   4   5   6   7",
+    "gpu-node-{n6}:{pid}:{pid} [0] NCCL INFO Connected all rings",
+    "gpu-node-{n6}:{pid}:{pid} [0] NCCL INFO comm 0x{hex8} rank 0 nranks 8 cudaDev 0 nvmlDev 0 "
+    "busId 19000 commId 0x{hex8} - Init COMPLETE",
+    "gpu-node-{n6}:{pid}:{pid} [0] NCCL INFO Using network IB",
+    "{mon} {day} {hms} gpu-node-{n6} kernel: [{up}] IPv6: ADDRCONF(NETDEV_CHANGE): veth{hex8}: "
+    "link becomes ready",
+    "{mon} {day} {hms} gpu-node-{n6} kernel: [{up}] cni0: port {n5}(veth{hex8}) entered "
+    "forwarding state",
+    "{mon} {day} {hms} gpu-node-{n6} systemd[1]: Started Session {n4} of User root.",
+    "{mon} {day} {hms} gpu-node-{n6} kernel: [{up}] nvidia-uvm: Loaded the UVM driver, major "
+    "device number 511.",
+    "DEBUG {md} {hms} [core.py:722] EngineCore loop active.",
+    "WARNING {md} {hms} [__init__.py:2662] We must use the `spawn` multiprocessing start method.",
+    "INFO {md} {hms} [__init__.py:239] Automatically detected platform cuda.",
+)
+
+
+def _values(rng: random.Random) -> dict[str, object]:
+    h, m, s = rng.randrange(24), rng.randrange(60), rng.randrange(60)
+    return {
+        "md": f"{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}",
+        "md2": f"{rng.randrange(1, 13):02d}{rng.randrange(1, 29):02d}",
+        "hms": f"{h:02d}:{m:02d}:{s:02d}",
+        "iso": f"2026-11-{rng.randrange(1, 29):02d}T{h:02d}:{m:02d}:{s:02d}."
+        f"{rng.randrange(10**6):06d}Z",
+        "mon": rng.choice(["Nov", "Dec"]),
+        "day": rng.randrange(1, 29),
+        "up": f"{rng.uniform(10, 900000):12.6f}",
+        "us": f"{rng.randrange(10**6):06d}",
+        "f1": f"{rng.uniform(0, 5000):.1f}",
+        "f2": f"{rng.uniform(0, 900):.1f}",
+        "f3": f"{rng.uniform(1, 70):.2f}",
+        "f4": f"{rng.uniform(0.1, 90):.2f}",
+        "f5": f"{rng.uniform(0.1, 2):.2f}",
+        "f6": f"{rng.uniform(0.5, 9):.2f}",
+        "f7": f"{rng.uniform(0.01, 90):.3f}",
+        "t": f"{rng.uniform(0, 1.2):.1f}",
+        "n1": rng.randrange(0, 256),
+        "n2": rng.randrange(0, 64),
+        "n3": rng.randrange(16, 4096),
+        "n4": rng.randrange(1000, 900000),
+        "n5": rng.randrange(1, 5),
+        "n6": f"{rng.randrange(0, 64):02d}",
+        "pct": f"{rng.uniform(0, 95):.1f}",  # >= 98% is a KV-pressure signal
+        "pct2": f"{rng.uniform(0, 99):.1f}",
+        "pct0": rng.choice([0, 25, 50, 75, 100]),
+        "ip": f"10.{rng.randrange(256)}.{rng.randrange(256)}.{rng.randrange(256)}",
+        "port": rng.randrange(1024, 65535),
+        "hex": f"{rng.getrandbits(128):032x}",
+        "hex8": f"{rng.getrandbits(32):08x}",
+        "pid": rng.randrange(100, 99999),
+    }
+
+
+def benign_lines(n: int, *, seed: int = 0) -> list[str]:
+    """``n`` ordinary lines drawn from :data:`BENIGN_TEMPLATES`."""
+    rng = random.Random(seed)
+    return [rng.choice(BENIGN_TEMPLATES).format(**_values(rng)) for _ in range(n)]

@@ -48,6 +48,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
@@ -86,6 +87,7 @@ _MAX_TEXT = 64 * 1024  # classify and keep at most this much of one log record
 _MAX_REASON = 300
 _INT64_MAX = (1 << 63) - 1
 _INT32_MAX = (1 << 31) - 1
+_ROW_ERRORS = (KeyError, ValueError, TypeError, AttributeError, RecursionError)
 # gRPC status codes for the google.rpc.Status error body
 _GRPC_CODE = {400: 3, 404: 5, 405: 12, 411: 3, 413: 8, 415: 3, 500: 13, 503: 14}
 
@@ -253,10 +255,14 @@ def _status_pb(code: int, message: str) -> bytes:
 
 
 def _is_loopback(addr: str | None) -> bool:
+    if not addr:
+        return False
     try:
-        return addr is not None and ipaddress.ip_address(addr.split("%", 1)[0]).is_loopback
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or bool(mapped and mapped.is_loopback)
 
 
 # ---------------------------------------------------------------------------
@@ -511,12 +517,13 @@ class OtlpReceiver:
                 received += 1
                 try:
                     span = _one_span(sp, resource, b64=b64)
-                except (KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
+                    if span.host is None:
+                        span.host = default_host
+                    row = _checked(span.to_row(), S.SPANS)
+                except _ROW_ERRORS as exc:
                     out.reject(f"span {str(sp.get('name', ''))[:80]!r}: {_why(exc)}")
                     continue
-                if span.host is None:
-                    span.host = default_host
-                self.writer.emit(span)
+                self.writer.write_row("s", row)
                 out.stored += 1
         self._add(spans_received=received, spans_stored=out.stored, spans_rejected=out.rejected)
         return out
@@ -537,7 +544,7 @@ class OtlpReceiver:
         for resource, scope_name, records in batches:
             try:
                 res_attrs = _attrs(resource.get("attributes") or [])
-            except (KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
+            except _ROW_ERRORS as exc:
                 for _ in records:
                     c["received"] += 1
                     out.reject(f"resource attributes: {_why(exc)}")
@@ -546,11 +553,12 @@ class OtlpReceiver:
                 c["received"] += 1
                 try:
                     rec, sev, has_text = self._one_log(lr, res_attrs, scope_name, b64, default_host)
-                except (KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
+                    row = _checked(rec.to_row(), S.ERROR_CONTEXT) if rec is not None else None
+                except _ROW_ERRORS as exc:
                     out.reject(f"log record: {_why(exc)}")
                     continue
-                if rec is not None:
-                    self.writer.emit(rec)
+                if row is not None:
+                    self.writer.write_row("e", row)
                     out.stored += 1
                     c["matched"] += 1
                     continue
@@ -660,6 +668,37 @@ class OtlpReceiver:
             self.writer.flush()
 
     close = shutdown
+
+
+_INT_RANGE = {
+    pa.int8(): 1 << 7,
+    pa.int16(): 1 << 15,
+    pa.int32(): 1 << 31,
+    pa.int64(): 1 << 63,
+}
+
+
+def _checked(row: dict[str, Any], table: S.Table) -> dict[str, Any]:
+    """The row if every value fits its column, else TypeError (the loader would
+    quarantine it; refusing here tells the sender, as a partial success)."""
+    for col in table.columns:
+        v = row.get(col.name)
+        if v is None:
+            if not col.nullable:
+                raise TypeError(f"{col.name} is missing")
+            continue
+        if pa.types.is_string(col.arrow):
+            ok = isinstance(v, str)
+        elif pa.types.is_integer(col.arrow):
+            bound = _INT_RANGE[col.arrow]
+            ok = isinstance(v, int) and not isinstance(v, bool) and -bound <= v < bound
+        elif pa.types.is_floating(col.arrow):
+            ok = isinstance(v, int | float) and not isinstance(v, bool)
+        else:
+            ok = True
+        if not ok:
+            raise TypeError(f"{col.name} does not fit {col.duck}: {v!r}"[:_MAX_REASON])
+    return row
 
 
 def _why(exc: BaseException) -> str:
@@ -825,7 +864,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._plain(400, f"bad Content-Length {cl[:40]!r}", close=True)
             return None
         if n > limit:
-            self._too_large(n, limit)
+            self._too_large(n, limit, drain=n)
             return None
         body = self.rfile.read(n)
         if len(body) < n:  # client went away mid-body
@@ -833,12 +872,12 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return body
 
-    def _too_large(self, n: int, limit: int) -> None:
+    def _too_large(self, n: int, limit: int, *, drain: int) -> None:
         # Read (and drop) a moderate excess so the client sees the 413 rather
         # than a reset while it is still sending; then close the connection.
         with contextlib.suppress(OSError, ValueError):
-            if n <= limit + 4 * 1024 * 1024:
-                left = n
+            if drain <= limit + 4 * 1024 * 1024:
+                left = drain
                 while left > 0:
                     chunk = self.rfile.read(min(left, 65536))
                     if not chunk:
@@ -873,7 +912,7 @@ class _Handler(BaseHTTPRequestHandler):
                     pass  # trailers
                 return bytes(out)
             if len(out) + size > limit:
-                self._too_large(len(out) + size, limit)
+                self._too_large(len(out) + size, limit, drain=0)
                 return None
             chunk = self.rfile.read(size)
             if len(chunk) < size:
@@ -972,7 +1011,9 @@ def make_server(
     server = OtlpHttpServer((host, port), receiver, request_timeout=request_timeout)
     if not start:
         return server, None
-    thread = threading.Thread(target=server.serve_forever, name="otlp-receiver", daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, args=(0.1,), name="otlp-receiver", daemon=True
+    )
     server.thread = thread
     thread.start()
     server._serving.wait(5)

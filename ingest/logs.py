@@ -289,7 +289,9 @@ def _parse_batch(
         xid_info = parse_xid_line(text) if "NVRM: Xid" in text else None
         sm_error = None
         if xid_info:
-            fields.update({k: v for k, v in xid_info.items() if k not in fields})
+            fields.update(xid_info)
+            if not isinstance(fields.get("pid"), int):
+                fields.pop("pid", None)
             sm_error = parse_sm_error(text)
         gpu_uuid = None
         if pci := fields.get("pci"):

@@ -222,6 +222,34 @@ class Store:
             con.unregister("_rca_batch")
         return data.num_rows
 
+    @staticmethod
+    def insert_arrow_new(
+        con: duckdb.DuckDBPyConnection,
+        table: S.Table,
+        data: pa.Table,
+        *,
+        key: str,
+        ts_range: tuple[int, int],
+    ) -> int:
+        """Append only the rows whose ``key`` is not stored yet in ``ts_range``
+        (rows carry deterministic ids; the time range keeps the check cheap)."""
+        if data.num_rows == 0:
+            return 0
+        data = data.select(table.names).cast(S.arrow_schema(table))
+        con.register("_rca_batch", data)
+        try:
+            before = con.execute(f"SELECT count(*) FROM {table.name}").fetchall()[0][0]
+            con.execute(
+                f"INSERT INTO {table.name} BY NAME SELECT * FROM _rca_batch b"  # noqa: S608
+                f" WHERE NOT EXISTS (SELECT 1 FROM {table.name} t"
+                f"  WHERE t.ts BETWEEN ? AND ? AND t.{key} = b.{key})",
+                [ts_range[0], ts_range[1]],
+            )
+            after = con.execute(f"SELECT count(*) FROM {table.name}").fetchall()[0][0]
+        finally:
+            con.unregister("_rca_batch")
+        return int(after - before)
+
     def insert_records(self, records: list[Any], *, table: S.Table = S.ERROR_CONTEXT) -> int:
         """Convenience: write records (dataclasses or row dicts) in one transaction."""
         data = S.records_to_arrow(records, table)

@@ -168,6 +168,114 @@ def demo(
         print_demo(_console(), report)
 
 
+@app.command()
+def normalize(
+    files: Annotated[list[Path] | None, typer.Argument(help="Files (stdin when none).")] = None,
+    no_model: Annotated[
+        bool, typer.Option("--no-model", help="Patterns only, no learned fallback.")
+    ] = False,
+) -> None:
+    """Print one JSON object per input line: its code, family, layer, fields."""
+    from rca.normalize_cmd import normalize_streams
+
+    normalize_streams(files or [], sys.stdout, fallback=not no_model)
+
+
+@app.command()
+def ingest(
+    paths: Annotated[list[Path], typer.Argument(help="Log, OTLP/JSON or Prometheus files.")],
+    db: DbOpt = None,
+    fmt: Annotated[
+        str, typer.Option("--format", help="auto | log | otlp-json | prometheus")
+    ] = "auto",
+    host: Annotated[str | None, typer.Option(help="Host name for lines that carry none.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Normalize files into the store (streamed, idempotent), printing counts."""
+    from ingest.paths import default_db_path
+    from ingest.pipeline import ingest_paths
+    from ingest.store import Store
+
+    store = Store(db or default_db_path())
+    with _progress(not as_json) as progress:
+        report = ingest_paths(store, [str(p) for p in paths], fmt=fmt, host=host, progress=progress)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "db": str(store.path),
+                    "files": [f.to_dict() for f in report.files],
+                    **report.totals(),
+                }
+            )
+        )
+        return
+    for f in report.files:
+        if f.skipped:
+            typer.echo(f"{f.path}: already ingested, nothing added")
+            continue
+        typer.echo(
+            f"{f.path} [{f.format}]: read {f.read}, normalized {f.normalized} "
+            f"(records {f.records}, spans {f.spans}, metric samples {f.metrics}), "
+            f"quarantined {f.quarantined}"
+        )
+    t = report.totals()
+    typer.echo(
+        f"total: read {t['read']}, normalized {t['normalized']}, "
+        f"quarantined {t['quarantined']} -> {store.path}"
+    )
+
+
+@app.command()
+def diagnose(
+    paths: Annotated[list[Path], typer.Argument(help="Crash logs or a bundle of files.")],
+    db: Annotated[
+        Path | None, typer.Option("--db", help="Keep the evidence in this store (default: temp).")
+    ] = None,
+    fmt: Annotated[
+        str, typer.Option("--format", help="auto | log | otlp-json | prometheus")
+    ] = "auto",
+    top: Annotated[int, typer.Option(help="How many causes to show.")] = 5,
+    as_json: JsonOpt = False,
+) -> None:
+    """Postmortem: rank the root causes shown by files with no trace id."""
+    from rca.diagnose import diagnose_paths, diagnosis_dict
+    from rca.render import print_diagnosis
+
+    diag, _ = diagnose_paths([str(p) for p in paths], db=db, fmt=fmt, top=top)
+    if as_json:
+        typer.echo(json.dumps(diagnosis_dict(diag), indent=2))
+    else:
+        print_diagnosis(_console(), diag)
+
+
+def _progress(enabled: bool):  # type: ignore[no-untyped-def]
+    """A rich progress bar on a terminal (stderr), else nothing."""
+    import contextlib
+
+    if not (enabled and sys.stderr.isatty()):
+        return contextlib.nullcontext(None)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    @contextlib.contextmanager
+    def bar():  # type: ignore[no-untyped-def]
+        with Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            transient=True,
+        ) as prog:
+            task = prog.add_task("ingesting", total=None)
+
+            def update(done: int, total: int) -> None:
+                prog.update(task, completed=done, total=total)
+
+            yield update
+
+    return bar()
+
+
 @bench_app.command("query")
 def bench_query(
     rows: Annotated[int, typer.Option(help="Records to fill the store with.")] = 10_000_000,

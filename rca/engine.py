@@ -19,7 +19,7 @@ from typing import Any
 import networkx as nx
 
 from graph.catalog import SEVERITY_RANK, Catalog, Severity
-from graph.topology import ancestors, best_chain, chain_cost, descendants
+from graph.topology import COST, STRENGTH, ancestors, best_chain, chain_cost, descendants
 
 __all__ = [
     "Evidence",
@@ -46,6 +46,8 @@ SCOPE_WEIGHT = {Scope.TRACE: 1.0, Scope.REQUEST: 1.0, Scope.GPU: 0.8, Scope.HOST
 #: Extra cost of a chain hop onto a code, by the best scope of its evidence: a
 #: chain through the trace's own evidence beats one through the host's.
 SCOPE_HOP_COST = {Scope.TRACE: 0.0, Scope.REQUEST: 0.0, Scope.GPU: 0.3, Scope.HOST: 0.5}
+#: Strength of the link given to evidence the topology does not connect (postmortems).
+WEAK_LINK = 0.05
 #: Evidence later than the symptom by more than this cannot sit on its chain.
 CHAIN_TOLERANCE_NS = 250_000_000
 CLOCK_SKEW_NS = 2_000_000_000  # tolerated disagreement between clocks of two sources
@@ -216,6 +218,8 @@ def rank_root_causes(
     symptom_ts: int | None = None,
     weights: Weights | None = None,
     top: int = 5,
+    extra_edges: Iterable[tuple[str, str, float]] = (),
+    unconnected: bool = False,
 ) -> tuple[str | None, list[RootCause]]:
     """Rank candidate root causes of ``symptom`` among the observed evidence.
 
@@ -225,10 +229,22 @@ def rank_root_causes(
     """
     w = weights or Weights()
     evidence = [e for e in evidence if e.code in catalog]
+    extra = [(u, v, p) for u, v, p in extra_edges if u != v and u in g and v in g]
+    if extra or unconnected:
+        g = g.copy()
+        for u, v, p in extra:  # observed causation (e.g. a chained traceback)
+            if not g.has_edge(u, v) or g.edges[u, v][STRENGTH] < p:
+                g.add_edge(u, v, **{STRENGTH: p, COST: -math.log(p)})
     if symptom is None:
         symptom = _pick_symptom(evidence, catalog)
     if symptom is None:
         return None, []
+    if unconnected:
+        # a postmortem ranks every observed code: one with no known path to the
+        # symptom gets a weak, explicitly inferred link
+        for code in {e.code for e in evidence} - {symptom}:
+            if code in g and symptom in g and not nx.has_path(g, code, symptom):
+                g.add_edge(code, symptom, **{STRENGTH: WEAK_LINK, COST: -math.log(WEAK_LINK)})
     by_code: dict[str, list[Evidence]] = defaultdict(list)
     for ev in evidence:
         by_code[ev.code].append(ev)

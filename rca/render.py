@@ -29,8 +29,9 @@ def chain_text(chain: list[str], observed: list[str]) -> str:
 def print_diagnosis(
     console: Console, diag: Diagnosis, *, evidence: bool = True, top: int | None = None
 ) -> None:
+    head = f"[bold]trace[/bold] {diag.trace_id}" if diag.trace_id else "[bold]postmortem[/bold]"
     console.print(
-        f"[bold]trace[/bold] {diag.trace_id}  [bold]symptom[/bold] {diag.symptom}  "
+        f"{head}  [bold]symptom[/bold] {diag.symptom}  "
         f"[dim]({diag.evidence_rows} evidence rows considered)[/dim]"
     )
     if not diag.causes:
@@ -52,10 +53,12 @@ def print_diagnosis(
         for r in sorted(diag.evidence, key=lambda r: r["ts"]):
             if r["event_id"] in wanted:
                 msg = escape((r.get("message") or "").strip()[:120])
-                console.print(
-                    f"     {_ts(r['ts'])}  {r['code']:<28} {r['source']:<14} {msg}  "
-                    f"[dim]{r['event_id']}[/dim]"
+                where = (
+                    f"{r['file']}:{r['line']}"
+                    if r.get("file")
+                    else f"{_ts(r['ts'])}  {r['source']}"
                 )
+                console.print(f"     {where}  {r['code']:<28} {msg}  [dim]{r['event_id']}[/dim]")
     console.print("  [dim]\\[CODE] = inferred link with no evidence row[/dim]")
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import zlib
@@ -385,15 +386,15 @@ def test_real_log_exporter_cuda_error_becomes_evidence_info_does_not(serve, tmp_
             severity_text="ERROR",
             context=ctx,
         )
-        logger.emit(  # the evidence is in the exception attributes, not the body
-            body="Engine core failed",
-            severity_number=SeverityNumber.FATAL,
-            severity_text="CRITICAL",
-            attributes={
-                "exception.type": "torch.OutOfMemoryError",
-                "exception.message": "CUDA out of memory. Tried to allocate 2.00 GiB",
-            },
-        )
+    logger.emit(  # no span; the evidence is in the exception attributes, not the body
+        body="Engine core failed",
+        severity_number=SeverityNumber.FATAL,
+        severity_text="CRITICAL",
+        attributes={
+            "exception.type": "torch.OutOfMemoryError",
+            "exception.message": "CUDA out of memory. Tried to allocate 2.00 GiB",
+        },
+    )
     assert logs.force_flush(10_000)
     trace_hex, span_hex = f"{TRACE_IDS[0]:032x}", f"{SPAN_IDS[0]:016x}"
     assert f"{span.get_span_context().trace_id:032x}" == trace_hex
@@ -541,6 +542,39 @@ def test_oversized_bodies_get_413(serve, tmp_path: Path) -> None:
     assert post(server, "/v1/traces", data, JSON)[0] == 200
 
 
+def _raw_exchange(server: OtlpHttpServer, data: bytes) -> bytes:
+    host, port = server.server_address[:2]
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_malformed_http_is_refused_and_the_server_keeps_serving(serve) -> None:
+    server = serve(max_body_bytes=4096)
+    cases = {
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03garbage\r\n\r\n": b" 400 ",
+        b"POST /v1/traces HTTP/1.1\r\nContent-Type: application/json\r\n\r\n": b" 411 ",
+        b"POST /v1/traces HTTP/1.1\r\nContent-Length: -5\r\n\r\n": b" 400 ",
+        b"POST /v1/traces HTTP/1.1\r\nContent-Length: abc\r\n\r\n": b" 400 ",
+        b"POST /v1/traces HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n": b" 400 ",
+        b"POST /v1/traces HTTP/1.1\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: application/json\r\n\r\nffff\r\n": b" 413 ",
+        b"POST /v1/traces HTTP/1.1\r\nContent-Length: 100\r\n\r\nshort": b"",  # gone
+        b"POST /v1/traces HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n": b" 431 ",
+    }
+    for request, expect in cases.items():
+        answer = _raw_exchange(server, request)
+        assert expect in answer.split(b"\r\n", 1)[0] + b" ", (request[:60], answer[:200])
+    st = server.stats()
+    assert st["internal_errors"] == 0
+    data = json.dumps(_json_request("ab" * 16, "cd" * 8, None)).encode()
+    assert post(server, "/v1/traces", data, JSON)[0] == 200
+
+
 def test_fuzzed_payloads_never_crash_the_receiver(tmp_path: Path) -> None:
     rcv = OtlpReceiver(tmp_path / "spool")
     rng = random.Random(20240607)
@@ -605,7 +639,8 @@ def test_fuzzed_payloads_never_crash_the_receiver(tmp_path: Path) -> None:
     assert len(st["recent_rejections"]) == 32  # bounded
     rcv.shutdown()
     store = Store(tmp_path / "fuzz.duckdb")
-    load_spool(store, tmp_path / "spool")  # whatever was accepted loads into the store
+    rep = load_spool(store, tmp_path / "spool")  # all that was accepted fits the store
+    assert rep.quarantined == 0
     assert store.counts()["spans"] == st["spans_stored"]
 
 

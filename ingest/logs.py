@@ -111,6 +111,7 @@ class LogParseResult:
     tracebacks: list[dict[str, Any]] = field(default_factory=list)
     lines: int = 0
     no_timestamp: int = 0
+    last_line: int = 0  # every record of lines <= this one is in this or an earlier batch
     gpu_map: dict[tuple[int, int, int], str] = field(default_factory=dict)
 
     def extend(self, other: LogParseResult) -> None:
@@ -255,6 +256,7 @@ def _parse_batch(
         cut = tbs.pop().start
         st.carry = items[cut:]
         items, texts = items[:cut], texts[:cut]
+    res.last_line = items[-1][0] if items else (st.carry[0][0] - 1 if st.carry else 0)
     for text in texts:
         if "GPU at PCI:" in text and (m := _GPU_AT.search(text)):
             key = pci_key(m["pci"])

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import duckdb
-
 from graph.errors import InputError
 from ingest import schema as S
 from ingest.classify import Normalizer, default_normalizer
@@ -98,16 +96,6 @@ class IngestReport:
         return {k: sum(getattr(f, k) for f in self.files) for k in keys}
 
 
-def _insert_dedup(con: duckdb.DuckDBPyConnection, records: list[S.ErrorContext]) -> int:
-    """Append log-derived rows whose deterministic ids are not stored yet."""
-    if not records:
-        return 0
-    data = S.records_to_arrow(records)
-    lo = min(r.ts for r in records)
-    hi = max(r.ts for r in records)
-    return Store.insert_arrow_new(con, S.ERROR_CONTEXT, data, key="event_id", ts_range=(lo, hi))
-
-
 def ingest_paths(
     store: Store,
     paths: list[str | Path],
@@ -141,49 +129,39 @@ def ingest_paths(
         fr = FileReport(str(path), kind, key=file_key(path))
         report.files.append(fr)
         with store.writer_lock(), store.write() as con:
-            if Store.source_loaded(con, fr.key):
-                fr.skipped = True
-        if fr.skipped and reparse_skipped and kind == "log" and keep_records:
-            with _open(path) as fh:  # the caller needs the records: parse, don't store
+            complete, resume_after = Store.source_progress(con, fr.key)
+        fr.skipped = complete
+        target = None if complete else store
+        if kind == "log" and (target is not None or (reparse_skipped and keep_records)):
+            # a skipped file is parsed again only when the caller needs its records
+            with _open(path) as fh:
+                counted = _CountingReader(fh)
+                base = done_bytes
                 _ingest_log(
-                    None,
-                    _CountingReader(fh),
-                    path,
-                    fr,
-                    report,
-                    norm,
-                    host,
-                    True,
-                    batch_size,
-                    lambda b: None,
-                )
-        if fr.skipped:
-            done_bytes += path.stat().st_size
-            if progress:
-                progress(done_bytes, total)
-            continue
-        with _open(path) as fh:
-            counted = _CountingReader(fh)
-            if kind == "log":
-                _ingest_log(
-                    store,
+                    target,
                     counted,
                     path,
                     fr,
                     report,
                     norm,
-                    host,
-                    keep_records,
-                    batch_size,
-                    lambda b, base=done_bytes: progress and progress(base + b, total),
+                    host=host,
+                    keep=keep_records,
+                    batch_size=batch_size,
+                    resume_after=resume_after,
+                    progress=lambda b, base=base: progress and progress(base + b, total),
                 )
-            elif kind == "otlp-json":
-                _ingest_otlp(store, counted, path, fr)
-            elif kind == "prometheus":
-                _ingest_prometheus(store, counted, path, fr, host)
+        elif target is not None:
+            with _open(path) as fh:
+                if kind == "otlp-json":
+                    _ingest_otlp(store, _CountingReader(fh), path, fr)
+                elif kind == "prometheus":
+                    _ingest_prometheus(store, _CountingReader(fh), path, fr, host)
         done_bytes += path.stat().st_size
-        with store.writer_lock(), store.write() as con:
-            Store.mark_source_loaded(con, fr.key, str(path), fr.normalized)
+        if target is not None:
+            with store.writer_lock(), store.write() as con:
+                Store.mark_source_loaded(
+                    con, fr.key, str(path), fr.normalized, lines_done=fr.read, complete=True
+                )
         if progress:
             progress(done_bytes, total)
     return report
@@ -203,37 +181,53 @@ class _CountingReader(io.RawIOBase):
         return True
 
 
-def _write_batch(store: Store, res: LogParseResult | None, **tables: list[Any]) -> None:
+def _write_batch(
+    store: Store,
+    records: list[S.ErrorContext] = (),  # type: ignore[assignment]
+    *,
+    progress: tuple[str, str, int, int] | None = None,
+    **tables: list[Any],
+) -> None:
+    """One short transaction: rows, plus the file's progress in the ledger."""
     with store.writer_lock(), store.write() as con:
         con.execute("BEGIN TRANSACTION")
         try:
-            if res is not None:
-                _insert_dedup(con, res.records)
-                Store.insert_arrow(
-                    con, S.QUARANTINE, S.records_to_arrow(res.quarantine, S.QUARANTINE)
-                )
+            if records:
+                Store.insert_arrow(con, S.ERROR_CONTEXT, S.records_to_arrow(records))
             for name, rows in tables.items():
                 table = {"spans": S.SPANS, "metrics": S.METRICS, "quarantine": S.QUARANTINE}[name]
                 if rows:
                     Store.insert_arrow(con, table, S.records_to_arrow(rows, table))
+            if progress is not None:
+                key, path, rows, lines_done = progress
+                Store.mark_source_loaded(
+                    con, key, path, rows, lines_done=lines_done, complete=False
+                )
             con.execute("COMMIT")
         except Exception:
             con.execute("ROLLBACK")
             raise
 
 
+def _line_of(origin: str) -> int:
+    return int(origin.split()[-1]) if origin.startswith("line ") else 0
+
+
 def _ingest_log(
-    store: Store,
+    store: Store | None,
     fh: _CountingReader,
     path: Path,
     fr: FileReport,
     report: IngestReport,
     norm: Normalizer,
+    *,
     host: str | None,
     keep: bool,
     batch_size: int,
-    progress: Callable[[int], Any],
+    resume_after: int = 0,
+    progress: Callable[[int], Any] = lambda b: None,
 ) -> None:
+    """Stream one log file; with a store, commit batch by batch (resumable)."""
     batches: Iterator[LogParseResult] = iter_log_batches(
         iter_bounded_lines(fh),
         source=str(path),
@@ -243,17 +237,9 @@ def _ingest_log(
         normalizer=norm,
         batch_size=batch_size,
     )
-    gpu_map: dict = {}
     for res in batches:
-        gpu_map.update(res.gpu_map)
         for rec in res.records:  # deterministic ids from the content, not the path
             rec.event_id = _content_event_id(fr.key, rec.attrs["line"] if rec.attrs else 0)
-        if store is None:
-            if keep:
-                report.records += res.records
-                report.tracebacks += [{**t, "file": str(path)} for t in res.tracebacks]
-            continue
-        _write_batch(store, res)
         fr.read += res.lines
         fr.records += len(res.records)
         fr.normalized += len(res.records)
@@ -262,6 +248,16 @@ def _ingest_log(
         if keep:
             report.records += res.records
             report.tracebacks += [{**t, "file": str(path)} for t in res.tracebacks]
+        if store is not None:
+            # an interrupted earlier run committed lines <= resume_after already
+            new = [r for r in res.records if (r.attrs or {}).get("line", 0) > resume_after]
+            quarantine = [q for q in res.quarantine if _line_of(q["origin"]) > resume_after]
+            _write_batch(
+                store,
+                new,
+                quarantine=quarantine,
+                progress=(fr.key, str(path), fr.normalized, res.last_line),
+            )
         progress(fh.count)
 
 
@@ -275,7 +271,7 @@ def _ingest_otlp(store: Store, fh: _CountingReader, path: Path, fr: FileReport) 
 
     def flush() -> None:
         res = parse_otlp_json_lines(batch, source=str(path))
-        _write_batch(store, None, spans=res.spans, quarantine=res.quarantine)
+        _write_batch(store, spans=res.spans, quarantine=res.quarantine)
         fr.spans += len(res.spans)
         fr.normalized += len(res.spans)
         fr.quarantined += len(res.quarantine)
@@ -288,7 +284,6 @@ def _ingest_otlp(store: Store, fh: _CountingReader, path: Path, fr: FileReport) 
 
             _write_batch(
                 store,
-                None,
                 quarantine=[
                     quarantine_row(
                         str(path), f"line {fr.read}", "OTLP/JSON line longer than 64 MiB", line
@@ -311,9 +306,7 @@ def _ingest_prometheus(
     data = fh.read()
     res = parse_exposition(data, source=str(path), host=host, ts_ns=os.stat(path).st_mtime_ns)
     events = ThresholdTracker().feed(res.samples)
-    _write_batch(store, None, metrics=res.samples, quarantine=res.quarantine)
-    if events:
-        store.insert_records(events)
+    _write_batch(store, events, metrics=res.samples, quarantine=res.quarantine)
     fr.read += res.lines
     fr.metrics += len(res.samples)
     fr.records += len(events)

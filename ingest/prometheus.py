@@ -158,6 +158,8 @@ def _iter_lines(data: str | bytes | Iterable[bytes]) -> Iterator[str | bytes | _
     for chunk in data:
         if not chunk:
             continue
+        if isinstance(chunk, str):  # a text-mode file or list of str lines
+            chunk = chunk.encode("utf-8", "surrogatepass")
         if b"\n" not in chunk:
             if over is not None:
                 over.size += len(chunk)
@@ -188,7 +190,7 @@ def _iter_lines(data: str | bytes | Iterable[bytes]) -> Iterator[str | bytes | _
 
 def _raw_text(raw: str | bytes) -> str:
     if isinstance(raw, str):
-        return raw[:_RAW_KEEP]
+        return raw[:_RAW_KEEP].encode("utf-8", "replace").decode("utf-8")
     return bytes(raw[:_RAW_KEEP]).decode("utf-8", "replace")
 
 
@@ -329,6 +331,12 @@ def parse_exposition(
                 continue
         else:
             line = raw
+            if not line.isascii():
+                try:
+                    line.encode("utf-8")
+                except UnicodeEncodeError:
+                    q(n, "invalid UTF-8 (lone surrogate)", raw)
+                    continue
         if line.endswith("\r"):
             line = line[:-1]
         line = line.lstrip(" \t")
@@ -699,7 +707,7 @@ class ThresholdTracker:
                 for m in r.metrics:
                     self._by_metric.setdefault(m, []).append(r)
         self._prev: dict[tuple[Any, str, str], float] = {}
-        self._ratio_prev: dict[tuple[str, Any, str], tuple[float, float]] = {}
+        self._ratio_prev: dict[tuple[int, Any, str], tuple[float, float]] = {}
         self._scopes: set[tuple[Any, Any]] = set()
         self._labels: dict[str, dict[str, str]] = {}
         #: Hits whose code (e.g. GPU_XID_N for an N the catalog lacks) had no catalog entry.
@@ -709,7 +717,7 @@ class ThresholdTracker:
         """Evaluate one scrape's METRICS rows against the rules; update the state."""
         rows = samples.samples if isinstance(samples, PromParseResult) else samples
         events: list[S.ErrorContext] = []
-        ratio_now: dict[tuple[str, Any, str], dict[str, Any]] = {}
+        ratio_now: dict[tuple[int, Any, str], dict[str, Any]] = {}
         scopes: set[tuple[Any, Any]] = set()
         for s in rows:
             name = s["name"]
@@ -738,13 +746,14 @@ class ThresholdTracker:
             self._prev[key] = value
             for rule, part in ratio or ():
                 if all(labels.get(k) == v for k, v in rule.labels.items()):
-                    group = ratio_now.setdefault((rule.name, s.get("host"), key[2]), {})
+                    group = ratio_now.setdefault((id(rule), s.get("host"), key[2]), {})
                     group[part] = value
                     group.setdefault("sample", s)
+                    group["rule"] = rule
         for gkey, group in ratio_now.items():
             if "num" not in group or "den" not in group:
                 continue
-            rule = next(r for r in self.rules if r.name == gkey[0])
+            rule = group["rule"]
             before = self._ratio_prev.get(gkey)
             self._ratio_prev[gkey] = (group["num"], group["den"])
             if before is None:
@@ -756,8 +765,13 @@ class ThresholdTracker:
             if ratio_value < rule.threshold:
                 s = group["sample"]
                 extra = {"numerator_delta": d_num, "denominator_delta": d_den}
+                message = (
+                    f"{s['name']} / {rule.denominator[0]} = {ratio_value:.3g} over "
+                    f"{d_den:g} since the last scrape (< {rule.threshold:g}): rule {rule.name}"
+                )
+                labels = self._parse(s.get("labels"))
                 event = self._event(
-                    rule, s, self._parse(s.get("labels")), ratio_value, None, extra=extra
+                    rule, s, labels, ratio_value, None, extra=extra, message=message
                 )
                 if event is not None:
                     events.append(event)
@@ -806,6 +820,7 @@ class ThresholdTracker:
         prev: float | None,
         *,
         extra: Mapping[str, Any] | None = None,
+        message: str | None = None,
     ) -> S.ErrorContext | None:
         xid: int | None = None
         if isinstance(rule.xid, int):
@@ -847,6 +862,6 @@ class ThresholdTracker:
             gpu_index=int(gpu) if gpu.isdigit() else None,
             xid=xid,
             confidence=1.0,
-            message=f"{s['name']} {value:g}{prev_text}: rule {rule.name}",
+            message=message or f"{s['name']} {value:g}{prev_text}: rule {rule.name}",
             attrs=attrs,
         )

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 #: Bumped whenever a migration is added to :mod:`ingest.migrations`.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,8 +53,14 @@ def _migration_2(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(stmt)
 
 
+def _migration_3(con: duckdb.DuckDBPyConnection) -> None:
+    """Per-file ingest progress, so an interrupted ingest resumes without duplicates."""
+    con.execute("ALTER TABLE ingest_ledger ADD COLUMN IF NOT EXISTS lines_done BIGINT DEFAULT 0")
+    con.execute("ALTER TABLE ingest_ledger ADD COLUMN IF NOT EXISTS complete BOOLEAN DEFAULT TRUE")
+
+
 #: Numbered migrations: index i brings a store from version i to i+1.
-MIGRATIONS: tuple[Migration, ...] = (_migration_1, _migration_2)
+MIGRATIONS: tuple[Migration, ...] = (_migration_1, _migration_2, _migration_3)
 assert len(MIGRATIONS) == S.SCHEMA_VERSION
 
 _LOCK_MARKERS = ("Could not set lock", "Conflicting lock")
@@ -222,34 +228,6 @@ class Store:
             con.unregister("_rca_batch")
         return data.num_rows
 
-    @staticmethod
-    def insert_arrow_new(
-        con: duckdb.DuckDBPyConnection,
-        table: S.Table,
-        data: pa.Table,
-        *,
-        key: str,
-        ts_range: tuple[int, int],
-    ) -> int:
-        """Append only the rows whose ``key`` is not stored yet in ``ts_range``
-        (rows carry deterministic ids; the time range keeps the check cheap)."""
-        if data.num_rows == 0:
-            return 0
-        data = data.select(table.names).cast(S.arrow_schema(table))
-        con.register("_rca_batch", data)
-        try:
-            before = con.execute(f"SELECT count(*) FROM {table.name}").fetchall()[0][0]
-            con.execute(
-                f"INSERT INTO {table.name} BY NAME SELECT * FROM _rca_batch b"  # noqa: S608
-                f" WHERE NOT EXISTS (SELECT 1 FROM {table.name} t"
-                f"  WHERE t.ts BETWEEN ? AND ? AND t.{key} = b.{key})",
-                [ts_range[0], ts_range[1]],
-            )
-            after = con.execute(f"SELECT count(*) FROM {table.name}").fetchall()[0][0]
-        finally:
-            con.unregister("_rca_batch")
-        return int(after - before)
-
     def insert_records(self, records: list[Any], *, table: S.Table = S.ERROR_CONTEXT) -> int:
         """Convenience: write records (dataclasses or row dicts) in one transaction."""
         data = S.records_to_arrow(records, table)
@@ -282,15 +260,33 @@ class Store:
 
     @staticmethod
     def source_loaded(con: duckdb.DuckDBPyConnection, key: str) -> bool:
-        return bool(
-            con.execute("SELECT 1 FROM ingest_ledger WHERE source_key = ?", [key]).fetchall()
-        )
+        """True once a source (file content, example) was ingested completely."""
+        return Store.source_progress(con, key)[0]
 
     @staticmethod
-    def mark_source_loaded(con: duckdb.DuckDBPyConnection, key: str, path: str, rows: int) -> None:
+    def source_progress(con: duckdb.DuckDBPyConnection, key: str) -> tuple[bool, int]:
+        """(complete, last line committed) for a source; (False, 0) if never seen."""
+        rows = con.execute(
+            "SELECT complete, lines_done FROM ingest_ledger WHERE source_key = ?", [key]
+        ).fetchall()
+        return (bool(rows[0][0]), int(rows[0][1] or 0)) if rows else (False, 0)
+
+    @staticmethod
+    def mark_source_loaded(
+        con: duckdb.DuckDBPyConnection,
+        key: str,
+        path: str,
+        rows: int,
+        *,
+        lines_done: int = 0,
+        complete: bool = True,
+    ) -> None:
         con.execute(
-            "INSERT OR REPLACE INTO ingest_ledger VALUES (?, ?, ?, ?)",
-            [key, path, rows, time.time_ns()],
+            "INSERT INTO ingest_ledger (source_key, path, rows, loaded_ns, lines_done, complete)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (source_key) DO UPDATE SET"
+            " rows = excluded.rows, loaded_ns = excluded.loaded_ns,"
+            " lines_done = excluded.lines_done, complete = excluded.complete",
+            [key, path, rows, time.time_ns(), lines_done, complete],
         )
 
     # -- housekeeping --------------------------------------------------------

@@ -295,6 +295,26 @@ def bench_query(
             typer.echo(f"{k:>16}: {v}")
 
 
+@bench_app.command("ingest")
+def bench_ingest(
+    lines: Annotated[int, typer.Option(help="Mixed server lines to build.")] = 1_000_000,
+    load_rows: Annotated[int, typer.Option(help="Records to load.")] = 1_000_000,
+    drain3_lines: Annotated[int, typer.Option(help="Lines to time Drain3 on.")] = 200_000,
+    as_json: JsonOpt = False,
+) -> None:
+    """Normalize and load figures, beside Drain3 and a raw DuckDB Arrow insert."""
+    from rca.bench.ingest import run_ingest_bench
+
+    res = run_ingest_bench(
+        lines=lines, load_rows=load_rows, drain3_lines=drain3_lines, progress=not as_json
+    )
+    if as_json:
+        typer.echo(json.dumps(res))
+    else:
+        for k, v in res.items():
+            typer.echo(f"{k:>24}: {v}")
+
+
 def main() -> None:
     try:
         app()

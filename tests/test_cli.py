@@ -190,3 +190,49 @@ def test_bench_query_small_run_prints_the_figures() -> None:
     for key in ("query_p50_ms", "query_p99_ms", "cli_wall_s"):
         assert out[key] > 0
     assert out["query_p50_ms"] <= out["query_p99_ms"]
+
+
+def test_readme_cli_reference_lists_every_command() -> None:
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    documented = set(re.findall(r"^\| `rca ((?:bench )?[a-z]+)", readme, re.M))
+
+    def name(c) -> str:
+        return c.name or c.callback.__name__.replace("_", "-")
+
+    commands = {name(c) for c in app.registered_commands}
+    groups = {g.name: g.typer_instance for g in app.registered_groups}
+    commands |= {f"bench {name(c)}" for c in groups["bench"].registered_commands}
+    assert commands == documented
+
+
+def test_bench_ingest_small_run_prints_the_figures() -> None:
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "ingest",
+            "--lines",
+            "20000",
+            "--load-rows",
+            "20000",
+            "--drain3-lines",
+            "2000",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    assert out["lines"] == 20000 and out["fault_lines_found"] >= 600
+    for key in (
+        "normalize_lines_per_s",
+        "drain3_lines_per_s",
+        "load_rows_per_s",
+        "raw_duckdb_rows_per_s",
+        "peak_rss_mb",
+    ):
+        assert out[key] > 0
+    assert out["ratio_vs_drain3"] == round(
+        out["normalize_lines_per_s"] / out["drain3_lines_per_s"], 1
+    )

@@ -50,7 +50,12 @@ def make_lines(n: int, *, fault_share: float = 0.03, seed: int = 11) -> list[str
 
 
 def drain3_miner():  # type: ignore[no-untyped-def]
-    from drain3 import TemplateMiner
+    try:
+        from drain3 import TemplateMiner
+    except ImportError as exc:
+        from graph.errors import RcaError
+
+        raise RcaError("rca bench ingest compares with Drain3: pip install -e '.[bench]'") from exc
     from drain3.masking import MaskingInstruction
     from drain3.template_miner_config import TemplateMinerConfig
 

@@ -124,6 +124,7 @@ def ingest_paths(
     total = sum(p.stat().st_size for p in files)
     done_bytes = 0
     norm = normalizer or default_normalizer()
+    tracker = None  # one across the files: consecutive scrapes give increase events
     for path in files:
         kind = detect_format(path) if fmt == "auto" else fmt
         fr = FileReport(str(path), kind, key=file_key(path))
@@ -155,7 +156,11 @@ def ingest_paths(
                 if kind == "otlp-json":
                     _ingest_otlp(store, _CountingReader(fh), path, fr)
                 elif kind == "prometheus":
-                    _ingest_prometheus(store, _CountingReader(fh), path, fr, host)
+                    if tracker is None:
+                        from ingest.prometheus import ThresholdTracker
+
+                        tracker = ThresholdTracker()
+                    _ingest_prometheus(store, _CountingReader(fh), path, fr, host, tracker)
         done_bytes += path.stat().st_size
         if target is not None:
             with store.writer_lock(), store.write() as con:
@@ -299,13 +304,12 @@ def _ingest_otlp(store: Store, fh: _CountingReader, path: Path, fr: FileReport) 
 
 
 def _ingest_prometheus(
-    store: Store, fh: _CountingReader, path: Path, fr: FileReport, host: str | None
+    store: Store, fh: _CountingReader, path: Path, fr: FileReport, host: str | None, tracker: Any
 ) -> None:
-    from ingest.prometheus import ThresholdTracker, parse_exposition
+    from ingest.prometheus import parse_exposition
 
-    data = fh.read()
-    res = parse_exposition(data, source=str(path), host=host, ts_ns=os.stat(path).st_mtime_ns)
-    events = ThresholdTracker().feed(res.samples)
+    res = parse_exposition(fh.read(), source=str(path), host=host, ts_ns=os.stat(path).st_mtime_ns)
+    events = tracker.feed(res.samples)
     _write_batch(store, events, metrics=res.samples, quarantine=res.quarantine)
     fr.read += res.lines
     fr.metrics += len(res.samples)

@@ -315,6 +315,36 @@ def bench_ingest(
             typer.echo(f"{k:>24}: {v}")
 
 
+@bench_app.command("corpus")
+def bench_corpus(
+    folder: Annotated[Path, typer.Argument(help="Labelled corpus folder.")] = Path(
+        "tests/fixtures/real"
+    ),
+    as_json: JsonOpt = False,
+    show_misses: Annotated[bool, typer.Option(help="List the lines it got wrong.")] = False,
+) -> None:
+    """Family accuracy, false alarms and postmortem answers on a real labelled corpus."""
+    from rca.bench.corpus import evaluate_corpus
+
+    res = evaluate_corpus(folder)
+    if as_json:
+        typer.echo(json.dumps(res))
+        return
+    skip = {"per_family", "misses", "flagged_benign", "crashlog_answers"}
+    for k, v in res.items():
+        if k not in skip:
+            typer.echo(f"{k:>24}: {v}")
+    for fam, c in res["per_family"].items():
+        typer.echo(f"  {fam:<24} {dict(c)}")
+    for name, a in res.get("crashlog_answers", {}).items():
+        typer.echo(f"  {'ok ' if a['top1'] else 'MISS'} {name}: want {a['want']}, got {a['got']}")
+    if show_misses:
+        for m in res["misses"]:
+            typer.echo(f"  miss want={m['want']} got={m['got']}: {m['text']}")
+        for m in res["flagged_benign"]:
+            typer.echo(f"  false alarm {m['code']}: {m['text']}")
+
+
 def main() -> None:
     try:
         app()

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import zlib
@@ -958,6 +959,15 @@ class OtlpHttpServer(ThreadingHTTPServer):
 
     def stats(self) -> dict[str, Any]:
         return self.receiver.stats()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that resets or times out is routine; anything else is logged."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.debug("OTLP receiver: connection from %s: %s", client_address, exc)
+            return
+        log.error("OTLP receiver: error serving %s", client_address, exc_info=exc)
+        self.receiver._add(internal_errors=1)
 
     def _track(self, conn: socket.socket, add: bool) -> None:
         with self._conns_lock:

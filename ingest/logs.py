@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 from ingest import schema as S
 from ingest.classify import Normalizer, default_normalizer
 from ingest.normalize import redact
+from ingest.schema import quarantine_row
 from ingest.tracebacks import Traceback, find_tracebacks
 from ingest.xid import parse_sm_error, parse_xid_line
 
@@ -121,19 +122,6 @@ class LogParseResult:
         self.lines += other.lines
         self.no_timestamp += other.no_timestamp
         self.gpu_map.update(other.gpu_map)
-
-
-def quarantine_row(source: str, origin: str, reason: str, raw: bytes | str) -> dict[str, Any]:
-    now = time.time_ns()
-    text = raw[:_RAW_KEEP].decode("utf-8", "replace") if isinstance(raw, bytes) else raw[:_RAW_KEEP]
-    return {
-        "quarantine_id": S.new_event_id(now),
-        "ts": now,
-        "source": source,
-        "origin": origin,
-        "reason": reason,
-        "raw": text,
-    }
 
 
 def iter_bounded_lines(fh: BinaryIO, max_len: int = MAX_LINE) -> Iterator[tuple[bytes, bool]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,11 @@ def _any_value(v: dict[str, Any]) -> Any:
 
 
 def _attrs(kvs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {kv["key"]: _any_value(kv.get("value", {})) for kv in kvs if "key" in kv}
+    return {
+        str(kv["key"]): _any_value(kv.get("value") or {})
+        for kv in kvs
+        if isinstance(kv, dict) and "key" in kv
+    }
 
 
 def _kind(v: Any) -> str:
@@ -63,8 +66,45 @@ class OtlpResult:
     quarantine: list[dict[str, Any]] = field(default_factory=list)
 
 
-def spans_from_request(doc: dict[str, Any]) -> list[S.Span]:
-    """One ExportTraceServiceRequest (as JSON) -> spans. Raises KeyError/ValueError."""
+def _span(sp: dict[str, Any], service: Any, host: Any, resource: dict[str, Any]) -> S.Span:
+    attrs = _attrs(sp.get("attributes", []))
+    http = next((attrs[k] for k in _HTTP_STATUS_KEYS if k in attrs), None)
+    status = sp.get("status", {}) or {}
+    message = status.get("message")
+    return S.Span(
+        trace_id=_id(sp["traceId"], 32),
+        span_id=_id(sp["spanId"], 16),
+        parent_span_id=_id(sp["parentSpanId"], 16) if sp.get("parentSpanId") else None,
+        name=str(sp.get("name", "")),
+        kind=_kind(sp.get("kind")),
+        start_ns=int(sp["startTimeUnixNano"]),
+        end_ns=int(sp["endTimeUnixNano"]) if sp.get("endTimeUnixNano") else None,
+        status_code=_status(status.get("code")),
+        status_message=None if message is None else str(message),
+        http_status=int(http) if http is not None else None,
+        service_name=None if service is None else str(service),
+        host=None if host is None else str(host),
+        attributes=attrs,
+        resource=resource,
+    )
+
+
+def _id(value: Any, width: int) -> str:
+    text = str(value).lower()
+    if len(text) != width or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"id {value!r} is not {width} hex digits")
+    return text
+
+
+def spans_from_request(
+    doc: dict[str, Any], *, errors: list[tuple[str, dict[str, Any]]] | None = None
+) -> list[S.Span]:
+    """One ExportTraceServiceRequest (as JSON) -> spans.
+
+    A malformed span is skipped and, when ``errors`` is given, appended to it as
+    (reason, span) so the caller can quarantine it; without ``errors`` the first
+    malformed span raises.
+    """
     out: list[S.Span] = []
     for rs in doc.get("resourceSpans", []):
         resource = _attrs(rs.get("resource", {}).get("attributes", []))
@@ -72,29 +112,12 @@ def spans_from_request(doc: dict[str, Any]) -> list[S.Span]:
         host = resource.get("host.name")
         for ss in rs.get("scopeSpans", []):
             for sp in ss.get("spans", []):
-                attrs = _attrs(sp.get("attributes", []))
-                http = next((attrs[k] for k in _HTTP_STATUS_KEYS if k in attrs), None)
-                status = sp.get("status", {}) or {}
-                out.append(
-                    S.Span(
-                        trace_id=str(sp["traceId"]).lower(),
-                        span_id=str(sp["spanId"]).lower(),
-                        parent_span_id=(
-                            str(sp.get("parentSpanId")).lower() if sp.get("parentSpanId") else None
-                        ),
-                        name=str(sp.get("name", "")),
-                        kind=_kind(sp.get("kind")),
-                        start_ns=int(sp["startTimeUnixNano"]),
-                        end_ns=int(sp["endTimeUnixNano"]) if sp.get("endTimeUnixNano") else None,
-                        status_code=_status(status.get("code")),
-                        status_message=status.get("message"),
-                        http_status=int(http) if http is not None else None,
-                        service_name=service,
-                        host=host,
-                        attributes=attrs,
-                        resource=resource,
-                    )
-                )
+                try:
+                    out.append(_span(sp, service, host, resource))
+                except (KeyError, ValueError, TypeError, AttributeError) as exc:
+                    if errors is None:
+                        raise
+                    errors.append((f"malformed span: {type(exc).__name__}: {exc}", sp))
     return out
 
 
@@ -103,19 +126,16 @@ def parse_otlp_json_lines(lines: Iterable[bytes], *, source: str) -> OtlpResult:
     for n, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
+        errors: list[tuple[str, dict[str, Any]]] = []
         try:
-            res.spans.extend(spans_from_request(json.loads(raw)))
+            res.spans.extend(spans_from_request(json.loads(raw), errors=errors))
+            for reason, sp in errors:
+                res.quarantine.append(
+                    S.quarantine_row(source, f"line {n}", reason, json.dumps(sp, default=str))
+                )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            now = time.time_ns()
             res.quarantine.append(
-                {
-                    "quarantine_id": S.new_event_id(now),
-                    "ts": now,
-                    "source": source,
-                    "origin": f"line {n}",
-                    "reason": f"not an OTLP/JSON trace export: {exc}",
-                    "raw": raw[:65536].decode("utf-8", "replace"),
-                }
+                S.quarantine_row(source, f"line {n}", f"not an OTLP/JSON trace export: {exc}", raw)
             )
     return res
 

@@ -285,12 +285,10 @@ def _ingest_otlp(store: Store, fh: _CountingReader, path: Path, fr: FileReport) 
     for line, too_long in iter_bounded_lines(fh, max_len=64 << 20):
         fr.read += 1
         if too_long:
-            from ingest.logs import quarantine_row
-
             _write_batch(
                 store,
                 quarantine=[
-                    quarantine_row(
+                    S.quarantine_row(
                         str(path), f"line {fr.read}", "OTLP/JSON line longer than 64 MiB", line
                     )
                 ],

@@ -33,6 +33,7 @@ __all__ = [
     "polars_schema",
     "create_table_sql",
     "records_to_arrow",
+    "quarantine_row",
     "arrow_to_records",
 ]
 
@@ -301,6 +302,23 @@ def _check_dataclass(cls: type, table: Table) -> None:
 
 _check_dataclass(ErrorContext, ERROR_CONTEXT)
 _check_dataclass(Span, SPANS)
+
+
+def quarantine_row(
+    source: str, origin: str, reason: str, raw: bytes | str, *, keep: int = 64 * 1024
+) -> dict[str, Any]:
+    """A QUARANTINE row: the raw text (first ``keep`` bytes, invalid UTF-8
+    replaced) with where it came from and why it was not used."""
+    now = time.time_ns()
+    text = raw[:keep].decode("utf-8", "replace") if isinstance(raw, bytes) else raw[:keep]
+    return {
+        "quarantine_id": new_event_id(now),
+        "ts": now,
+        "source": source,
+        "origin": origin,
+        "reason": reason,
+        "raw": text,
+    }
 
 
 def records_to_arrow(

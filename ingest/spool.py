@@ -41,7 +41,6 @@ from ingest.store import Store
 __all__ = ["SpoolWriter", "LoadReport", "load_spool", "encode_line", "decode_line"]
 
 _KIND_TABLE = {"e": S.ERROR_CONTEXT, "s": S.SPANS, "m": S.METRICS}
-_RAW_LIMIT = 64 * 1024
 
 
 def encode_line(kind: str, row: dict[str, Any]) -> bytes:
@@ -256,16 +255,8 @@ def _read_chunk(path: Path, start: int, finished: bool) -> _Chunk:
 
 
 def _quarantine_rows(chunk: _Chunk) -> list[dict[str, Any]]:
-    now = time.time_ns()
     return [
-        {
-            "quarantine_id": S.new_event_id(now),
-            "ts": now,
-            "source": f"spool:{chunk.path.name}",
-            "origin": f"byte {off}",
-            "reason": reason,
-            "raw": raw[:_RAW_LIMIT].decode("utf-8", "replace"),
-        }
+        S.quarantine_row(f"spool:{chunk.path.name}", f"byte {off}", reason, raw)
         for off, reason, raw in chunk.bad
     ]
 

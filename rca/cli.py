@@ -227,6 +227,38 @@ def ingest(
 
 
 @app.command()
+def collect(
+    port: Annotated[int, typer.Option(help="TCP port (OTLP/HTTP's default is 4318).")] = 4318,
+    host: Annotated[str, typer.Option(help="Address to bind (localhost by default).")] = (
+        "127.0.0.1"
+    ),
+    db: DbOpt = None,
+    spool: Annotated[
+        Path | None, typer.Option(help="Spool folder (default beside the DB).")
+    ] = None,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest accepted request body.")] = 16 << 20,
+) -> None:
+    """Receive OTLP/HTTP traces and logs (protobuf or JSON) into the spool until Ctrl-C."""
+    from ingest.collect import main as collect_main
+    from ingest.paths import default_db_path, spool_dir_for
+
+    target = spool or spool_dir_for(db or default_db_path())
+    code = collect_main(
+        [
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--spool",
+            str(target),
+            "--max-body-bytes",
+            str(max_body_bytes),
+        ]
+    )
+    raise typer.Exit(code)
+
+
+@app.command()
 def diagnose(
     paths: Annotated[list[Path], typer.Argument(help="Crash logs or a bundle of files.")],
     db: Annotated[

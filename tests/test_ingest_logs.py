@@ -323,8 +323,16 @@ def test_truncated_and_wrong_typed_otlp_is_quarantined() -> None:
         source="t",
     )
     assert len(res.spans) == 2
-    assert len(res.quarantine) == 3
-    assert all("not an OTLP/JSON trace export" in q["reason"] for q in res.quarantine)
+    reasons = [q["reason"] for q in res.quarantine]
+    assert len(reasons) == 3
+    assert sum("not an OTLP/JSON trace export" in r for r in reasons) == 2
+    assert sum(r.startswith("malformed span: ValueError: id 5") for r in reasons) == 1
+    # one bad span does not cost its neighbours
+    doc = json.loads(good)
+    spans = doc["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    spans.append({**spans[0], "spanId": "not-hex"})
+    res = parse_otlp_json_lines([json.dumps(doc).encode()], source="t")
+    assert len(res.spans) == 2 and len(res.quarantine) == 1
 
 
 def test_an_interrupted_ingest_resumes_without_duplicates(tmp_path: Path, monkeypatch) -> None:

@@ -17,6 +17,7 @@ from graph.catalog import default_catalog
 from graph.topology import default_topology
 from ingest.pipeline import ingest_paths
 from ingest.store import Store
+from ingest.xid import sm_fault_verdict
 from rca.engine import Diagnosis, Evidence, Scope, rank_root_causes
 
 __all__ = ["diagnose_paths", "traceback_edges"]
@@ -39,6 +40,38 @@ def traceback_edges(records: list[Any]) -> list[tuple[str, str, float]]:
                 if cause != effect:
                     edges.append((cause, effect, TRACEBACK_STRENGTH))
     return edges
+
+
+def sm_rule_edges(
+    records: list[Any], catalog: Any
+) -> tuple[list[tuple[str, str, float]], list[tuple[str, str]], str]:
+    """NVIDIA's reading of Xid 13/31 SM faults, as edges for the ranking.
+
+    Faults scattered across SMs point at the application: its own illegal
+    access error (if seen) becomes the cause of the Xid lines, not their
+    effect. The same SM faulting again and again points at the hardware: the
+    Xid stays the root. Returns (edges to add, edges to drop, note).
+    """
+    sm = [r.sm_error for r in records if r.xid in (13, 31) and r.sm_error]
+    if not sm:
+        return [], [], ""
+    verdict = sm_fault_verdict(sm)
+    note = f"Xid 13/31 SM faults: {verdict['verdict']} ({verdict['why']})"
+    if verdict["verdict"] != "application":
+        return [], [], note
+    xids = {r.code for r in records if r.xid in (13, 31)}
+    apps = {
+        r.code
+        for r in records
+        if catalog.get(r.code)
+        and catalog[r.code].family == "illegal_memory_access"
+        and r.code not in xids
+    }
+    return (
+        [(a, x, 0.9) for a in apps for x in xids],
+        [(x, a) for a in apps for x in xids],
+        note,
+    )
 
 
 def diagnose_paths(
@@ -70,12 +103,18 @@ def diagnose_paths(
         )
         for r in records
     ]
+    extra, notes = traceback_edges(records), []
+    sm_edges, sm_drop, sm_note = sm_rule_edges(records, catalog)
+    extra += sm_edges
+    if sm_note:
+        notes.append(sm_note)
     symptom, causes = rank_root_causes(
         default_topology(),
         evidence,
         catalog=catalog,
         top=top,
-        extra_edges=traceback_edges(records),
+        extra_edges=extra,
+        drop_edges=sm_drop,
         unconnected=True,
     )
     used = {e for c in causes for e in c.evidence}
@@ -98,6 +137,7 @@ def diagnose_paths(
         causes=causes,
         evidence_rows=len(evidence),
         evidence=shown,
+        notes=notes,
     )
     return diag, {"files": [f.to_dict() for f in report.files], **report.totals()}
 
@@ -105,6 +145,7 @@ def diagnose_paths(
 def diagnosis_dict(diag: Diagnosis) -> dict[str, Any]:
     """`rca query`'s JSON shape, each cause with its evidence lines (file, line)."""
     out = diag.to_dict()
+    out["notes"] = list(diag.notes)
     lines = {e["event_id"]: e for e in diag.evidence}
     for cause, d in zip(diag.causes, out["causes"], strict=True):
         d["lines"] = [

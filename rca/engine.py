@@ -219,6 +219,7 @@ def rank_root_causes(
     weights: Weights | None = None,
     top: int = 5,
     extra_edges: Iterable[tuple[str, str, float]] = (),
+    drop_edges: Iterable[tuple[str, str]] = (),
     unconnected: bool = False,
 ) -> tuple[str | None, list[RootCause]]:
     """Rank candidate root causes of ``symptom`` among the observed evidence.
@@ -230,8 +231,10 @@ def rank_root_causes(
     w = weights or Weights()
     evidence = [e for e in evidence if e.code in catalog]
     extra = [(u, v, p) for u, v, p in extra_edges if u != v and u in g and v in g]
-    if extra or unconnected:
+    drop = [(u, v) for u, v in drop_edges if g.has_edge(u, v)]
+    if extra or drop or unconnected:
         g = g.copy()
+        g.remove_edges_from(drop)
         for u, v, p in extra:  # observed causation (e.g. a chained traceback)
             if not g.has_edge(u, v) or g.edges[u, v][STRENGTH] < p:
                 g.add_edge(u, v, **{STRENGTH: p, COST: -math.log(p)})
@@ -242,7 +245,8 @@ def rank_root_causes(
     if unconnected:
         # a postmortem ranks every observed code: one with no known path to the
         # symptom gets a weak, explicitly inferred link
-        for code in {e.code for e in evidence} - {symptom}:
+        effects = descendants(g, symptom)  # what the symptom itself explains
+        for code in {e.code for e in evidence} - {symptom} - effects:
             if code in g and symptom in g and not nx.has_path(g, code, symptom):
                 g.add_edge(code, symptom, **{STRENGTH: WEAK_LINK, COST: -math.log(WEAK_LINK)})
     by_code: dict[str, list[Evidence]] = defaultdict(list)

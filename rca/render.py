@@ -59,6 +59,8 @@ def print_diagnosis(
                     else f"{_ts(r['ts'])}  {r['source']}"
                 )
                 console.print(f"     {where}  {r['code']:<28} {msg}  [dim]{r['event_id']}[/dim]")
+    for note in diag.notes:
+        console.print(f"  [bold]note[/bold]: {escape(note)}")
     console.print("  [dim]\\[CODE] = inferred link with no evidence row[/dim]")
 
 

@@ -372,3 +372,36 @@ def test_an_interrupted_ingest_resumes_without_duplicates(tmp_path: Path, monkey
         assert con.execute("SELECT count(DISTINCT event_id) FROM error_context").fetchall() == [
             (expected,)
         ]
+
+
+@pytest.mark.parametrize(
+    ("locations", "root", "verdict"),
+    [
+        (["(GPC 3, TPC 1, SM 0)"] * 3, "GPU_XID_13", "hardware"),
+        (
+            ["(GPC 3, TPC 1, SM 0)", "(GPC 5, TPC 0, SM 1)", "(GPC 1, TPC 2, SM 0)"],
+            "CUDA_ERROR_ILLEGAL_ADDRESS",
+            "application",
+        ),
+    ],
+)
+def test_diagnose_applies_nvidias_sm_rule(tmp_path: Path, locations, root, verdict) -> None:
+    lines = [
+        "Nov 29 11:00:00 n1 kernel: NVRM: GPU at PCI:0000:3b:00: "
+        "GPU-77a0be41-05c2-4c1d-8f7e-2b9d6a1c3e44"
+    ]
+    lines += [
+        f"Nov 29 11:00:01 n1 kernel: NVRM: Xid (PCI:0000:3b:00): 13, pid=1234, "
+        f"name=python3, Graphics SM Warp Exception on {loc}: Out Of Range Address"
+        for loc in locations
+    ]
+    lines.append(
+        "Nov 29 11:00:02 n1 python3[1234]: RuntimeError: CUDA error: an illegal "
+        "memory access was encountered"
+    )
+    log = tmp_path / "kern.log"
+    log.write_text("\n".join(lines) + "\n")
+    res = runner.invoke(app, ["diagnose", str(log), "--json"])
+    out = json.loads(res.output)
+    assert out["causes"][0]["code"] == root
+    assert out["notes"] and out["notes"][0].startswith(f"Xid 13/31 SM faults: {verdict}")

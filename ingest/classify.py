@@ -40,7 +40,8 @@ __all__ = [
 ERRORISH = (
     r"(?i)(error|exception|traceback|fail|fatal|abort|panic|killed|timed? ?out|timeout|"
     r"refused|denied|invalid|illegal|cannot|can't|unable|not found|nan\b|\binf\b|overflow|"
-    r"out of memory|oom|segfault|segmentation|assert|corrupt|mismatch|unavailable|exceed)"
+    r"out of memory|oom|segfault|segmentation|assert|corrupt|mismatch|unavailable|exceed|"
+    r"\bWARN\b|\[E\]|\bE\d{4} )"
 )
 _GENERIC_FIELDS = (
     ("pci", re.compile(r"PCI:(?P<v>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})")),
@@ -154,7 +155,13 @@ class Batch:
 class _Fallback:
     """TF-IDF + logistic regression over catalog examples vs ordinary lines."""
 
-    def __init__(self, catalog: Catalog, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        training: Sequence[tuple[str, str | None]] = (),
+        seed: int = 0,
+    ) -> None:
         from sklearn.feature_extraction.text import TfidfVectorizer
         from sklearn.linear_model import LogisticRegression
         from sklearn.pipeline import FeatureUnion, make_pipeline
@@ -167,7 +174,11 @@ class _Fallback:
             for ex in code.examples:
                 texts.append(_strip_numbers(ex))
                 labels.append(code.name)
-        benign = benign_lines(max(400, len(texts)), seed=seed)
+        for text, code in training:  # real lines: (text, code) or (text, None) if ordinary
+            if code is None or code in catalog:
+                texts.append(_strip_numbers(text))
+                labels.append(code or NONE_LABEL)
+        benign = benign_lines(max(400, len(texts) // 2), seed=seed)
         texts += [_strip_numbers(b) for b in benign]
         labels += [NONE_LABEL] * len(benign)
         features = FeatureUnion(
@@ -196,11 +207,27 @@ class _Fallback:
         self.model = make_pipeline(features, LogisticRegression(C=20.0, max_iter=2000))
         self.model.fit(texts, labels)
         self.classes = list(self.model.classes_)
+        # codes grouped by family: the answer's confidence is its family's whole mass
+        groups = sorted(
+            {catalog[c].family if c != NONE_LABEL else NONE_LABEL for c in self.classes}
+        )
+        self._groups = groups
+        member = np.zeros((len(self.classes), len(groups)))
+        for i, c in enumerate(self.classes):
+            fam = catalog[c].family if c != NONE_LABEL else NONE_LABEL
+            member[i, groups.index(fam)] = 1.0
+        self._member = member
 
     def predict(self, lines: Sequence[str]) -> tuple[list[str], np.ndarray]:
+        """(code, confidence) per line: the most probable family (summing its codes'
+        probabilities), and within it the most probable code."""
         proba = self.model.predict_proba([_strip_numbers(t) for t in lines])
-        best = proba.argmax(axis=1)
-        return [self.classes[i] for i in best], proba[np.arange(len(lines)), best]
+        fam_p = proba @ self._member
+        best_fam = fam_p.argmax(axis=1)
+        masked = np.where(self._member[:, best_fam].T > 0, proba, -1.0)
+        best_code = masked.argmax(axis=1)
+        rows = np.arange(len(lines))
+        return [self.classes[i] for i in best_code], fam_p[rows, best_fam]
 
 
 _NUM = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
@@ -213,9 +240,19 @@ def _strip_numbers(text: str) -> str:
 class Normalizer:
     """Classify batches of lines against the catalog; build once, reuse."""
 
-    def __init__(self, catalog: Catalog, *, fallback: bool = True, threshold: float = 0.6) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        fallback: bool = True,
+        threshold: float = 0.6,
+        training: Sequence[tuple[str, str | None]] | None = None,
+    ) -> None:
+        """``training``: real (text, code-or-None) lines for the fallback, besides the
+        catalog's examples; None means the shipped corpus (ingest/data/corpus)."""
         self.catalog = catalog
         self.threshold = threshold
+        self._training = training
         self._use_fallback = fallback
         self._fallback: _Fallback | None = None
         self._rules: list[tuple[re.Pattern[str], Code]] = []
@@ -307,7 +344,10 @@ class Normalizer:
     # -- internals -----------------------------------------------------------
     def _model(self) -> _Fallback:
         if self._fallback is None:
-            self._fallback = _Fallback(self.catalog)
+            from ingest.corpus import training_corpus
+
+            training = self._training if self._training is not None else training_corpus()
+            self._fallback = _Fallback(self.catalog, training=training)
         return self._fallback
 
     @staticmethod

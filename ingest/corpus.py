@@ -7,9 +7,15 @@ of the lines in ``rca bench ingest``. Values vary; the shapes are real.
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
+from typing import Any
 
-__all__ = ["benign_lines", "BENIGN_TEMPLATES"]
+__all__ = ["benign_lines", "BENIGN_TEMPLATES", "CORPUS_DIR", "real_corpus", "training_corpus"]
+
+#: Real lines gathered from public issue threads and source (see SOURCES.md there).
+CORPUS_DIR = Path(__file__).with_name("data") / "corpus"
 
 BENIGN_TEMPLATES: tuple[str, ...] = (
     "INFO {md} {hms} metrics.py:351] Avg prompt throughput: {f1} tokens/s, Avg generation "
@@ -111,3 +117,27 @@ def benign_lines(n: int, *, seed: int = 0) -> list[str]:
     """``n`` ordinary lines drawn from :data:`BENIGN_TEMPLATES`."""
     rng = random.Random(seed)
     return [rng.choice(BENIGN_TEMPLATES).format(**_values(rng)) for _ in range(n)]
+
+
+def real_corpus(folder: str | Path = CORPUS_DIR) -> tuple[list[dict[str, Any]], list[str]]:
+    """(labelled real fault lines, real ordinary lines) from a corpus folder."""
+    root = Path(folder)
+    errors = [
+        json.loads(x)
+        for x in (root / "error_lines.jsonl").read_text(encoding="utf-8").splitlines()
+        if x.strip()
+    ]
+    benign = [
+        x for x in (root / "benign_lines.txt").read_text(encoding="utf-8").splitlines() if x.strip()
+    ]
+    return errors, benign
+
+
+def training_corpus(folder: str | Path = CORPUS_DIR) -> list[tuple[str, str | None]]:
+    """(text, code) pairs for the learned fallback: labelled fault lines and
+    ordinary lines (code None). Empty if the corpus is not installed."""
+    try:
+        errors, benign = real_corpus(folder)
+    except FileNotFoundError:
+        return []
+    return [(e["text"], e["code"]) for e in errors if e.get("code")] + [(b, None) for b in benign]

@@ -349,16 +349,22 @@ def bench_ingest(
 
 @bench_app.command("corpus")
 def bench_corpus(
-    folder: Annotated[Path, typer.Argument(help="Labelled corpus folder.")] = Path(
-        "tests/fixtures/real"
+    corpus: Annotated[
+        Path | None, typer.Option(help="Corpus folder (default: the shipped one).")
+    ] = None,
+    crashlogs: Annotated[Path, typer.Option(help="Crash logs with expected.json.")] = Path(
+        "tests/fixtures/real/crashlogs"
     ),
+    folds: Annotated[int, typer.Option(help="Cross-validation folds.")] = 5,
+    threshold: Annotated[float, typer.Option(help="Fallback confidence threshold.")] = 0.6,
     as_json: JsonOpt = False,
     show_misses: Annotated[bool, typer.Option(help="List the lines it got wrong.")] = False,
 ) -> None:
     """Family accuracy, false alarms and postmortem answers on a real labelled corpus."""
+    from ingest.corpus import CORPUS_DIR
     from rca.bench.corpus import evaluate_corpus
 
-    res = evaluate_corpus(folder)
+    res = evaluate_corpus(corpus or CORPUS_DIR, crashlogs, folds=folds, threshold=threshold)
     if as_json:
         typer.echo(json.dumps(res))
         return

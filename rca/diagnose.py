@@ -15,6 +15,7 @@ from typing import Any
 
 from graph.catalog import default_catalog
 from graph.topology import default_topology
+from ingest.classify import Normalizer
 from ingest.pipeline import ingest_paths
 from ingest.store import Store
 from ingest.xid import sm_fault_verdict
@@ -81,6 +82,7 @@ def diagnose_paths(
     fmt: str = "auto",
     top: int = 5,
     host: str | None = None,
+    normalizer: Normalizer | None = None,
 ) -> tuple[Diagnosis, dict[str, Any]]:
     """Rank the root causes shown by the given files; returns (diagnosis, ingest totals)."""
     with tempfile.TemporaryDirectory(prefix="rca-diagnose-") as tmp:

@@ -1,68 +1,100 @@
-"""`rca bench corpus DIR`: how well text becomes evidence, on a labelled real corpus.
+"""`rca bench corpus`: how well text becomes evidence, on a labelled real corpus.
 
-DIR holds ``error_lines.jsonl`` (real fault lines with the family, and code,
-an engineer gives them), ``benign_lines.txt`` (real ordinary lines) and
-``crashlogs/`` with ``expected.json`` (the deepest cause of each real crash
-log). Prints family accuracy on fault lines (and how many stayed unknown),
-the share of ordinary lines flagged, and how many crash logs `rca diagnose`
-answers with the expected cause first.
+The corpus (``ingest/data/corpus``: real fault lines labelled with the family
+and code an engineer gives them, and real ordinary lines) also trains the
+learned fallback, so lines are scored with k-fold cross-validation: each fold
+is classified by a fallback trained without it. Crash logs (a folder with
+``expected.json``) are diagnosed with a fallback trained on the catalog's
+examples only, so no line of theirs can have been seen in training.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from graph.catalog import default_catalog
 from graph.errors import InputError
-from ingest.classify import Normalizer, default_normalizer
+from ingest.classify import Normalizer
+from ingest.corpus import CORPUS_DIR, real_corpus
 
-__all__ = ["evaluate_corpus"]
+__all__ = ["evaluate_corpus", "DEFAULT_CRASHLOGS"]
+
+DEFAULT_CRASHLOGS = Path("tests/fixtures/real/crashlogs")
 
 
-def evaluate_corpus(folder: str | Path, *, normalizer: Normalizer | None = None) -> dict[str, Any]:
-    root = Path(folder)
-    if not (root / "error_lines.jsonl").is_file():
-        raise InputError(f"{root}: no error_lines.jsonl (see `rca bench corpus --help`)")
-    norm = normalizer or default_normalizer()
-    rows = [
-        json.loads(x) for x in (root / "error_lines.jsonl").read_text().splitlines() if x.strip()
-    ]
-    results = norm.classify([r["text"] for r in rows])
-    right = unknown = 0
+def evaluate_corpus(
+    corpus: str | Path = CORPUS_DIR,
+    crashlogs: str | Path | None = DEFAULT_CRASHLOGS,
+    *,
+    folds: int = 5,
+    seed: int = 0,
+    threshold: float = 0.6,
+) -> dict[str, Any]:
+    try:
+        errors, benign = real_corpus(corpus)
+    except FileNotFoundError as exc:
+        raise InputError(f"{corpus}: not a corpus folder ({exc.filename} missing)") from exc
+    catalog = default_catalog()
+    rng = random.Random(seed)
+    e_fold = [i % folds for i in range(len(errors))]
+    b_fold = [i % folds for i in range(len(benign))]
+    rng.shuffle(e_fold)
+    rng.shuffle(b_fold)
+    got: list[Any] = [None] * len(errors)
+    flagged: list[tuple[str, str]] = []
+    for k in range(folds):
+        train = [
+            (e["text"], e["code"])
+            for e, f in zip(errors, e_fold, strict=True)
+            if f != k and e.get("code")
+        ]
+        train += [(b, None) for b, f in zip(benign, b_fold, strict=True) if f != k]
+        norm = Normalizer(catalog, training=train, threshold=threshold)
+        idx = [i for i, f in enumerate(e_fold) if f == k]
+        for i, res in zip(idx, norm.classify([errors[i]["text"] for i in idx]), strict=True):
+            got[i] = res
+        held = [b for b, f in zip(benign, b_fold, strict=True) if f == k]
+        flagged += [(b, r.code) for b, r in zip(held, norm.classify(held), strict=True) if r.code]
+    right = unknown = by_pattern = by_model = 0
     per_family: dict[str, Counter] = defaultdict(Counter)
     misses = []
-    for r, res in zip(rows, results, strict=True):
-        fam = r["family"]
+    for e, res in zip(errors, got, strict=True):
+        fam = e["family"]
         if res.family == fam:
             right += 1
             per_family[fam]["right"] += 1
+            by_pattern += res.method == "pattern"
+            by_model += res.method == "model"
         elif res.family is None:
             unknown += 1
             per_family[fam]["unknown"] += 1
-            misses.append({"text": r["text"][:160], "want": fam, "got": None})
+            misses.append({"text": e["text"][:160], "want": fam, "got": None})
         else:
             per_family[fam]["wrong"] += 1
             misses.append(
                 {
-                    "text": r["text"][:160],
+                    "text": e["text"][:160],
                     "want": fam,
                     "got": res.family,
                     "code": res.code,
                     "method": res.method,
                 }
             )
-    benign = [x for x in (root / "benign_lines.txt").read_text().splitlines() if x.strip()]
-    flagged = [
-        (x, res.code) for x, res in zip(benign, norm.classify(benign), strict=True) if res.code
-    ]
+    n = len(errors)
     out: dict[str, Any] = {
-        "error_lines": len(rows),
-        "projects": len({r["project"] for r in rows}),
-        "family_accuracy": round(right / len(rows), 4) if rows else None,
+        "error_lines": n,
+        "projects": len({e["project"] for e in errors}),
+        "folds": folds,
+        "family_accuracy": round(right / n, 4) if n else None,
+        "right_by_pattern": by_pattern,
+        "right_by_model": by_model,
         "unknown": unknown,
-        "wrong": len(rows) - right - unknown,
+        "wrong": n - right - unknown,
+        "precision_when_answered": round(right / (n - unknown), 4) if n > unknown else None,
         "benign_lines": len(benign),
         "benign_flagged": len(flagged),
         "benign_flagged_share": round(len(flagged) / len(benign), 4) if benign else None,
@@ -70,14 +102,15 @@ def evaluate_corpus(folder: str | Path, *, normalizer: Normalizer | None = None)
         "misses": misses,
         "flagged_benign": [{"text": x[:160], "code": c} for x, c in flagged],
     }
-    crash = root / "crashlogs" / "expected.json"
-    if crash.is_file():
+    crash = Path(crashlogs) / "expected.json" if crashlogs else None
+    if crash is not None and crash.is_file():
         from rca.diagnose import diagnose_paths
 
+        unseen = Normalizer(catalog, training=[], threshold=threshold)
         expected = json.loads(crash.read_text())
         answers = {}
         for name, want in sorted(expected.items()):
-            diag, _ = diagnose_paths([root / "crashlogs" / name])
+            diag, _ = diagnose_paths([crash.parent / name], normalizer=unseen)
             ranked = [c.code for c in diag.causes]
             answers[name] = {
                 "want": want["code"],

@@ -53,6 +53,10 @@ _VLLM = re.compile(
     r"^(?:\(\w+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) (\d{2})-(\d{2}) "
     r"(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?"
 )
+_DMESG_T = re.compile(  # dmesg -T / journalctl --dmesg: "[Sun Feb 23 16:24:18 2025] NVRM: ..."
+    r"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\d{1,2}) "
+    r"(\d{2}):(\d{2}):(\d{2}) (\d{4})\]"
+)
 _GLOG = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d{1,9})")
 _GPU_AT = re.compile(
     r"NVRM: GPU at PCI:(?P<pci>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.\d)?: "
@@ -88,7 +92,8 @@ def _mk(y: int, mo: int, d: int, h: int, mi: int, s: int, frac: str | None) -> i
 def parse_timestamp(line: str, year: int) -> tuple[int | None, str | None]:
     """(ns since epoch UTC, host) from the common log prefixes, else (None, None).
 
-    Formats: syslog (``Nov 29 10:14:02 host``), vLLM (``INFO 11-29 10:14:02``),
+    Formats: syslog (``Nov 29 10:14:02 host``), ``dmesg -T`` (``[Sun Nov 29
+    10:14:02 2026]``), vLLM (``INFO 11-29 10:14:02``),
     glog/Triton (``I1129 10:14:02.123``), ISO 8601 anywhere in the first 64
     characters. Years missing from the format come from ``year``.
     """
@@ -98,6 +103,10 @@ def parse_timestamp(line: str, year: int) -> tuple[int | None, str | None]:
             return _mk(year, mon, int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6]), m[7]
     if m := _VLLM.match(line):
         return _mk(year, int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6]), None
+    if m := _DMESG_T.match(line):
+        mon = _MONTHS.get(m[1])
+        if mon:
+            return _mk(int(m[6]), mon, int(m[2]), int(m[3]), int(m[4]), int(m[5]), None), None
     if m := _GLOG.match(line):
         return _mk(year, int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6]), None
     if m := _ISO.search(line[:64]):

@@ -83,6 +83,8 @@ def test_timestamps_hosts_and_pci(tmp_path) -> None:
     assert ts == 1795947242 * 10**9 + 1000
     ts, _ = parse_timestamp("2026-11-29T10:14:02.5Z INFO router", 1999)
     assert ts == 1795947242 * 10**9 + 500_000_000
+    ts, _ = parse_timestamp("[Sun Nov 29 10:14:02 2026] NVRM: Xid (PCI:0000:9b:00): 119, pid=2", 1)
+    assert ts == 1795947242 * 10**9
     assert parse_timestamp("no time here", 2026) == (None, None)
     assert pci_key("0000:19:00") == pci_key("00000000:19:00.0") == (0, 0x19, 0)
 

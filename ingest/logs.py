@@ -89,29 +89,38 @@ def _mk(y: int, mo: int, d: int, h: int, mi: int, s: int, frac: str | None) -> i
     return int(t.timestamp()) * 1_000_000_000 + _frac_ns(frac)
 
 
-def parse_timestamp(line: str, year: int) -> tuple[int | None, str | None]:
+def parse_timestamp(
+    line: str, year: int, *, not_after_ns: int | None = None
+) -> tuple[int | None, str | None]:
     """(ns since epoch UTC, host) from the common log prefixes, else (None, None).
 
     Formats: syslog (``Nov 29 10:14:02 host``), ``dmesg -T`` (``[Sun Nov 29
-    10:14:02 2026]``), vLLM (``INFO 11-29 10:14:02``),
-    glog/Triton (``I1129 10:14:02.123``), ISO 8601 anywhere in the first 64
-    characters. Years missing from the format come from ``year``.
+    10:14:02 2026]``), vLLM (``INFO 11-29 10:14:02``), glog/Triton
+    (``I1129 10:14:02.123``), ISO 8601 anywhere in the first 64 characters.
+    Formats without a year take ``year``, or the year before when that would
+    put the line after ``not_after_ns`` (a log written in January about
+    December).
     """
+    host = None
     if m := _SYSLOG.match(line):
         mon = _MONTHS.get(m[1])
-        if mon:
-            return _mk(year, mon, int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6]), m[7]
-    if m := _VLLM.match(line):
-        return _mk(year, int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6]), None
-    if m := _DMESG_T.match(line):
+        if not mon:
+            return None, None
+        parts, host = (mon, int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6]), m[7]
+    elif (m := _VLLM.match(line)) or (m := _GLOG.match(line)):
+        parts = (int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6])
+    elif m := _DMESG_T.match(line):
         mon = _MONTHS.get(m[1])
-        if mon:
-            return _mk(int(m[6]), mon, int(m[2]), int(m[3]), int(m[4]), int(m[5]), None), None
-    if m := _GLOG.match(line):
-        return _mk(year, int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6]), None
-    if m := _ISO.search(line[:64]):
+        ts = _mk(int(m[6]), mon, int(m[2]), int(m[3]), int(m[4]), int(m[5]), None) if mon else None
+        return ts, None
+    elif m := _ISO.search(line[:64]):
         return _mk(int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), int(m[6]), m[7]), None
-    return None, None
+    else:
+        return None, None
+    ts = _mk(year, *parts)
+    if ts is not None and not_after_ns is not None and ts > not_after_ns + 86_400 * 10**9:
+        ts = _mk(year - 1, *parts)
+    return ts, host
 
 
 @dataclass
@@ -337,7 +346,7 @@ def _parse_batch(
         last_ts_in_batch = ts
     # carry the last real timestamp of the batch for continuation lines
     for i in range(len(texts) - 1, -1, -1):
-        t, _ = parse_timestamp(texts[i], st.year)
+        t, _ = parse_timestamp(texts[i], st.year, not_after_ns=st.base_ns)
         if t is not None:
             st.last_ts = t
             break
@@ -357,7 +366,7 @@ def _timestamp_for(
     idx: int, texts: list[str], st: _LogState, cache: dict[int, int | None], limit: int = 2000
 ) -> tuple[int | None, str | None, bool]:
     """The line's own timestamp, else the nearest one above (continuation lines)."""
-    own, host = parse_timestamp(texts[idx], st.year)
+    own, host = parse_timestamp(texts[idx], st.year, not_after_ns=st.base_ns)
     if own is not None:
         return own, host, False
     j = idx - 1
@@ -365,7 +374,7 @@ def _timestamp_for(
         if j in cache:
             t = cache[j]
         else:
-            t, _ = parse_timestamp(texts[j], st.year)
+            t, _ = parse_timestamp(texts[j], st.year, not_after_ns=st.base_ns)
             cache[j] = t
         if t is not None:
             return t, None, False

@@ -215,7 +215,7 @@ def test_ingest_is_idempotent_and_counts(tmp_path: Path) -> None:
     files = [EXAMPLE / "kern.log", EXAMPLE / "vllm.log", EXAMPLE / "otlp-traces.jsonl"]
     first = ingest_paths(store, files)
     assert [f.read for f in first.files] == [11, 46, 6]
-    assert [f.records for f in first.files] == [2, 7, 0]
+    assert [f.records for f in first.files] == [2, 8, 0]
     assert first.files[2].spans == 12
     counts = store.counts()
     again = ingest_paths(store, files)
@@ -232,7 +232,7 @@ def test_ingest_cli_prints_counts_and_rejects_missing_files(tmp_path: Path) -> N
     res = runner.invoke(app, ["ingest", str(EXAMPLE / "vllm.log"), "--db", str(db), "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert out["read"] == 46 and out["normalized"] == 7 and out["quarantined"] == 0
+    assert out["read"] == 46 and out["normalized"] == 8 and out["quarantined"] == 0
     res = runner.invoke(app, ["ingest", str(tmp_path / "nope.log"), "--db", str(db)])
     assert res.exit_code != 0
 
@@ -407,3 +407,11 @@ def test_diagnose_applies_nvidias_sm_rule(tmp_path: Path, locations, root, verdi
     out = json.loads(res.output)
     assert out["causes"][0]["code"] == root
     assert out["notes"] and out["notes"][0].startswith(f"Xid 13/31 SM faults: {verdict}")
+
+
+def test_yearless_timestamps_never_land_after_the_file_was_written() -> None:
+    jan_2027 = 1798761600 * 10**9  # 2027-01-01T00:00:00Z, when the file was written
+    ts, _ = parse_timestamp("INFO 12-31 23:59:00 [x.py:1] step", 2027, not_after_ns=jan_2027)
+    assert ts == jan_2027 - 60 * 10**9  # 2026-12-31, not 2027-12-31
+    ts, _ = parse_timestamp("Jan  1 00:00:30 h kernel: x", 2027, not_after_ns=jan_2027)
+    assert ts == jan_2027 + 30 * 10**9

@@ -42,3 +42,15 @@ def test_family_accuracy_does_not_regress(scores) -> None:
 def test_postmortems_name_the_deepest_cause(scores) -> None:
     assert scores["crashlogs"] >= 12
     assert scores["crashlogs_top1"] >= 10, scores["crashlog_answers"]
+
+
+HOLDOUT = Path(__file__).with_name("fixtures") / "real" / "holdout"
+
+
+def test_independent_holdout_scored_as_shipped() -> None:
+    """Real lines gathered separately from other threads, never trained on."""
+    res = evaluate_corpus(HOLDOUT, None, folds=0)
+    assert res["error_lines"] >= 150 and res["projects"] >= 5
+    assert res["benign_flagged_share"] <= 0.03, res["flagged_benign"]
+    assert res["precision_when_answered"] >= 0.9, res["misses"]
+    assert res["family_accuracy"] >= 0.55

@@ -12,7 +12,14 @@ import random
 from pathlib import Path
 from typing import Any
 
-__all__ = ["benign_lines", "BENIGN_TEMPLATES", "CORPUS_DIR", "real_corpus", "training_corpus"]
+__all__ = [
+    "benign_lines",
+    "BENIGN_TEMPLATES",
+    "TRACEBACK_BOILERPLATE",
+    "CORPUS_DIR",
+    "real_corpus",
+    "training_corpus",
+]
 
 #: Real lines gathered from public issue threads and source (see SOURCES.md there).
 CORPUS_DIR = Path(__file__).with_name("data") / "corpus"
@@ -73,6 +80,35 @@ BENIGN_TEMPLATES: tuple[str, ...] = (
     "DEBUG {md} {hms} [core.py:722] EngineCore loop active.",
     "WARNING {md} {hms} [__init__.py:2662] We must use the `spawn` multiprocessing start method.",
     "INFO {md} {hms} [__init__.py:239] Automatically detected platform cuda.",
+)
+
+
+#: Lines that travel with faults but state none: traceback structure and the
+#: hints PyTorch and CUDA print after the real error. The classifier must not
+#: take them for the fault (the line above or below is the evidence).
+TRACEBACK_BOILERPLATE: tuple[str, ...] = (
+    "Traceback (most recent call last):",
+    '  File "/usr/local/lib/python3.10/dist-packages/vllm/engine/async_llm_engine.py", line 51,'
+    " in _log_task_completion",
+    "    return_value = task.result()",
+    '  File "uvloop/cbhandles.pyx", line 63, in uvloop.loop.Handle._run',
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect.",
+    "For debugging consider passing CUDA_LAUNCH_BLOCKING=1",
+    "For debugging consider passing CUDA_LAUNCH_BLOCKING=1.",
+    "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.",
+    "Exception in callback functools.partial(<function _log_task_completion at 0x7f3b2c1e8c10>, "
+    "error_callback=<bound method AsyncLLMEngine._error_callback of "
+    "<vllm.engine.async_llm_engine.AsyncLLMEngine object at 0x7f3b2a9d4b50>>)",
+    "handle: <Handle functools.partial(<function _log_task_completion at 0x7f3b2c1e8c10>)>",
+    "ERROR 11-29 10:14:03 async_llm_engine.py:61] Traceback (most recent call last):",
+    "    raise AsyncEngineDeadError(",
+    "    ^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+    "[rank0]: Traceback (most recent call last):",
+    "Error executing job with overrides: []",
+    "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.",
 )
 
 

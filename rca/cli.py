@@ -308,6 +308,17 @@ def _progress(enabled: bool):  # type: ignore[no-untyped-def]
     return bar()
 
 
+def _print_figures(res: dict, as_json: bool, skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """A benchmark's figures: one JSON object, or `name: value` lines."""
+    if as_json:
+        typer.echo(json.dumps(res))
+        return
+    width = max(len(k) for k in res)
+    for k, v in res.items():
+        if k not in skip:
+            typer.echo(f"{k:>{width}}: {v}")
+
+
 @bench_app.command("query")
 def bench_query(
     rows: Annotated[int, typer.Option(help="Records to fill the store with.")] = 10_000_000,
@@ -320,11 +331,7 @@ def bench_query(
     from rca.bench.query import run_query_bench
 
     res = run_query_bench(rows=rows, queries=queries, db=db, keep=keep, progress=not as_json)
-    if as_json:
-        typer.echo(json.dumps(res))
-    else:
-        for k, v in res.items():
-            typer.echo(f"{k:>16}: {v}")
+    _print_figures(res, as_json)
 
 
 @bench_app.command("ingest")
@@ -340,11 +347,7 @@ def bench_ingest(
     res = run_ingest_bench(
         lines=lines, load_rows=load_rows, drain3_lines=drain3_lines, progress=not as_json
     )
-    if as_json:
-        typer.echo(json.dumps(res))
-    else:
-        for k, v in res.items():
-            typer.echo(f"{k:>24}: {v}")
+    _print_figures(res, as_json)
 
 
 @bench_app.command("corpus")
@@ -367,13 +370,9 @@ def bench_corpus(
     from rca.bench.corpus import evaluate_corpus
 
     res = evaluate_corpus(corpus or CORPUS_DIR, crashlogs, folds=folds, threshold=threshold)
+    _print_figures(res, as_json, {"per_family", "misses", "flagged_benign", "crashlog_answers"})
     if as_json:
-        typer.echo(json.dumps(res))
         return
-    skip = {"per_family", "misses", "flagged_benign", "crashlog_answers"}
-    for k, v in res.items():
-        if k not in skip:
-            typer.echo(f"{k:>24}: {v}")
     for fam, c in res["per_family"].items():
         typer.echo(f"  {fam:<24} {dict(c)}")
     for name, a in res.get("crashlog_answers", {}).items():

@@ -24,6 +24,8 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks that print figures.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+probe_app = typer.Typer(help="Run a probe on this machine.", no_args_is_help=True)
+app.add_typer(probe_app, name="probe")
 
 DbOpt = Annotated[
     Path | None,
@@ -256,6 +258,24 @@ def collect(
         ]
     )
     raise typer.Exit(code)
+
+
+@probe_app.command("nvml")
+def probe_nvml(
+    once: Annotated[
+        bool, typer.Option("--once", help="One poll, printed; nothing written.")
+    ] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between polls.")] = 1.0,
+    db: DbOpt = None,
+    spool: Annotated[
+        Path | None, typer.Option(help="Spool folder (default beside the DB).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Poll NVML (Xid events, ECC, row remaps, throttling, PCIe/NVLink errors) until Ctrl-C."""
+    from probes.nvml import run_cli
+
+    raise typer.Exit(run_cli(once=once, interval=interval, db=db, spool=spool, as_json=as_json))
 
 
 @app.command()

@@ -196,14 +196,15 @@ def test_readme_cli_reference_lists_every_command() -> None:
     import re
 
     readme = (ROOT / "README.md").read_text()
-    documented = set(re.findall(r"^\| `rca ((?:bench )?[a-z]+)", readme, re.M))
+    documented = set(re.findall(r"^\| `rca ((?:bench |probe )?[a-z]+)", readme, re.M))
 
     def name(c) -> str:
         return c.name or c.callback.__name__.replace("_", "-")
 
     commands = {name(c) for c in app.registered_commands}
     groups = {g.name: g.typer_instance for g in app.registered_groups}
-    commands |= {f"bench {name(c)}" for c in groups["bench"].registered_commands}
+    for group in ("bench", "probe"):
+        commands |= {f"{group} {name(c)}" for c in groups[group].registered_commands}
     assert commands == documented
 
 

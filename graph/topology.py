@@ -53,7 +53,8 @@ def build_topology(catalog: Catalog) -> nx.DiGraph:
 
 @cache
 def default_topology() -> nx.DiGraph:
-    return build_topology(default_catalog())
+    """The shipped topology, frozen (so reachability can be cached on it)."""
+    return nx.freeze(build_topology(default_catalog()))
 
 
 def validate_topology(g: nx.DiGraph) -> None:
@@ -67,14 +68,26 @@ def validate_topology(g: nx.DiGraph) -> None:
             raise ValueError(f"topology edge {u} -> {v} has strength {s!r}, not in (0, 1]")
 
 
+def _reach(g: nx.DiGraph, code: str, up: bool) -> set[str]:
+    if code not in g:
+        return set()
+    if not nx.is_frozen(g):
+        return nx.ancestors(g, code) if up else nx.descendants(g, code)
+    memo = g.graph.setdefault("_reach", {})  # frozen graphs never change: memoize
+    key = (code, up)
+    if key not in memo:
+        memo[key] = frozenset(nx.ancestors(g, code) if up else nx.descendants(g, code))
+    return set(memo[key])
+
+
 def ancestors(g: nx.DiGraph, code: str) -> set[str]:
     """Every code from which ``code`` can be reached: its possible causes."""
-    return nx.ancestors(g, code) if code in g else set()
+    return _reach(g, code, up=True)
 
 
 def descendants(g: nx.DiGraph, code: str) -> set[str]:
     """Every code reachable from ``code``: its possible effects."""
-    return nx.descendants(g, code) if code in g else set()
+    return _reach(g, code, up=False)
 
 
 def paths_to_symptom(

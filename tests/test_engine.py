@@ -122,3 +122,20 @@ def test_symptom_from_spans_prefers_the_root_server_span(mini_catalog) -> None:
     assert symptom_from_spans(
         [{**spans[1], "http_status": 200, "status_code": "UNSET"}], mini_catalog
     ) == (None, 0)
+
+
+def test_memoized_reachability_on_the_frozen_topology_matches_networkx() -> None:
+    import networkx as nx
+
+    from graph.topology import default_topology
+
+    g = default_topology()
+    assert nx.is_frozen(g)
+    for code in list(g)[:60]:
+        assert ancestors(g, code) == nx.ancestors(g, code)
+        assert descendants(g, code) == nx.descendants(g, code)
+    # a modified copy is not frozen and is not served from the memo
+    h = g.copy()
+    h.add_edge("HTTP_500", "GPU_XID_48", strength=0.5, cost=0.7)
+    assert "GPU_XID_48" in descendants(h, "HTTP_500")
+    assert "GPU_XID_48" not in descendants(g, "HTTP_500")

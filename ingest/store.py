@@ -11,6 +11,7 @@ never sees a lock error while a load runs; it waits at most one batch.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -419,6 +420,17 @@ class _SharedReader:
 
 _READERS: dict[Path, _SharedReader] = {}
 _READERS_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_readers() -> None:
+    """Close shared instances before the interpreter tears threads down: a daemon
+    timer thread killed inside DuckDB's C++ close aborts the process."""
+    with _READERS_LOCK:
+        readers = list(_READERS.values())
+    for reader in readers:
+        with reader._cond:
+            reader._close()
 
 
 def _shared_reader(store: Store) -> _SharedReader:

@@ -404,6 +404,23 @@ def bench_corpus(
             typer.echo(f"  false alarm {m['code']}: {m['text']}")
 
 
+@bench_app.command("probes")
+def bench_probes(
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    reps: Annotated[int, typer.Option(help="Repetitions per mode.")] = 9,
+    as_json: JsonOpt = False,
+) -> None:
+    """Probe overhead on a fixed Llama-style decoder: each tier's time vs checks off."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:  # torch is an optional extra
+        raise RcaError("rca bench probes needs torch: pip install -e '.[torch]'")
+    from rca.bench.probes import run_probe_bench
+
+    res = run_probe_bench(device=device, reps=reps)
+    _print_figures(res, as_json)
+
+
 def main() -> None:
     try:
         app()

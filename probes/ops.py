@@ -1,0 +1,2323 @@
+"""Operator fault checks inside the serving process (torch).
+
+Four layers of checks, all of which report through a :class:`probes.sink.Sink`
+and none of which ever raises into the serving process:
+
+* **numerical**: NaN, +-inf and value-range violations on module outputs. One row
+  reduction per tensor (``torch.aminmax`` on CUDA; ``amin`` + ``amax`` on CPU,
+  where the fused kernel is 20-40x slower than the two vectorized ones), written
+  into fixed device buffers ``[slot, batch row]``; NaN propagates through
+  min/max, so a failing row maps back to a request.
+* **memory**: index bounds (token ids vs the vocabulary, positions vs the cache
+  length and the position table, block-table entries vs the block pool,
+  ``cu_seqlens`` monotone and within the batch) and the allocator's counters.
+* **state**: KV length vs position ids; KV shapes and heads consistent across
+  layers.
+* **semantic**: pluggable rules run when a request ends (JSON schema of the
+  output or of a tool call, finish reason in an allowed set, empty completion).
+
+Nothing in a check reads a device value on the host: checks only launch kernels
+that accumulate into fixed buffers, and :meth:`Checker.end_step` reads one small
+flag matrix once per step (on CUDA through a pinned buffer on a side stream, as
+vLLM's NaN counter does). Device-side asserts are never used: they kill the CUDA
+context. The batch row -> trace id map is captured on the host when the step is
+launched (:meth:`Checker.begin_step`), since the read-back happens later.
+
+Attach checks three ways: :func:`instrument` (every module of a torch model is a
+check site, hooked by forward hooks), the :meth:`Checker.op` decorator on a
+function, or explicit calls (:meth:`Checker.check`, :meth:`Checker.check_token_ids`,
+...). Each site has a tier (``off`` / ``numerical`` / ``full``); :func:`set_tiers`
+changes them at run time without re-instrumenting. Eager hooks read a host-side
+tier table; the per-site device mask applied when the flags are evaluated is what
+a compiled or CUDA-graph-captured model obeys (instrument it with
+``modules="all"`` before compiling: its hooks are traced once and stay). In eager
+mode an idle hook still costs PyTorch's slow call path (~4 us a call), so the
+default ``modules="auto"`` hooks only the sites that are on and lets
+:func:`set_tiers` add or remove hooks at a step boundary.
+
+Typical use::
+
+    checker = instrument(model)                 # production tier
+    checker.begin_step(trace_ids)               # row i -> trace_ids[i], on the host
+    logits = model(input_ids=ids, cache=cache)
+    records = checker.end_step()                # one read; records went to the sink
+    checker.end_request(RequestOutput(trace_id=t, text=..., finish_reason=...))
+    set_tiers(checker, "numerical")             # or POST /health/checker_status
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import inspect
+import json
+import logging
+import math
+import re
+import threading
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from ingest import schema as S
+from probes.sink import RateLimitedLog, Sink, default_sink
+
+__all__ = [
+    "Tier",
+    "PRESETS",
+    "CHECKER_STATUS_PATH",
+    "Checker",
+    "instrument",
+    "set_tiers",
+    "handle_checker_status",
+    "checker_status_handler",
+    "RequestOutput",
+    "Violation",
+    "Rule",
+    "FinishReasonRule",
+    "JsonSchemaRule",
+    "ToolCallSchemaRule",
+    "EmptyCompletionRule",
+    "validate_json_schema",
+    "memory_stats",
+]
+
+log = logging.getLogger("rca.probes.ops")
+
+SOURCE = "probe:ops"
+CHECKER_STATUS_PATH = "/health/checker_status"
+
+
+class Tier(IntEnum):
+    """What one check site does: nothing, NaN/inf/range, or that plus more."""
+
+    OFF = 0
+    NUMERICAL = 1
+    FULL = 2
+
+
+#: ``default`` is meant to stay on in production: the logits row min/max and the
+#: index bounds of the inputs, nothing else.
+PRESETS = ("off", "default", "numerical", "full")
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_I64_MAX = 2**63 - 1
+_I64_MIN = -(2**63)
+_ROOT = "<root>"
+_DIMS = {n: tuple(range(1, n)) for n in range(2, 9)}
+_TIER_NAMES = {t.name.lower(): t for t in Tier}
+
+
+def _tier(value: Any) -> Tier:
+    if isinstance(value, Tier):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Tier(value)
+    if isinstance(value, str) and value.lower() in _TIER_NAMES:
+        return _TIER_NAMES[value.lower()]
+    raise ValueError(f"unknown tier {value!r} (off | numerical | full)")
+
+
+def _num(v: float) -> float | str:
+    """A float for JSON: NaN and infinities as strings (DuckDB's JSON rejects them)."""
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return float(f"{v:.6g}")
+
+
+# ---------------------------------------------------------------------------
+# slots
+# ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class _FSlot:
+    """A numerical check site: a module output or an explicit tensor check."""
+
+    name: str
+    code: str
+    origin: str  # module | explicit
+    lo: float = -_F32_MAX
+    hi: float = _F32_MAX
+    logits: bool = False
+
+
+@dataclass(slots=True)
+class _ISlot:
+    """An index/state check site: per-row integer min/max vs [lo, hi)."""
+
+    name: str
+    code: str
+    check: str  # token_bounds | position_bounds | block_table | cu_seqlens | kv_length
+    gate: str  # bounds | state
+    static: bool = False  # limits written once, at registration
+
+
+@dataclass(slots=True)
+class _Fail:
+    code: str
+    check: str
+    row: int | None  # None: the whole batch (unattributed)
+    attrs: dict[str, Any]
+    message: str
+    order: float = 0.0
+    confidence: float = 1.0
+
+
+# ---------------------------------------------------------------------------
+# the checker
+# ---------------------------------------------------------------------------
+class Checker:
+    """Fixed device buffers, check sites, tiers, and the per-step read-back.
+
+    Parameters
+    ----------
+    sink:
+        where records go (default: the process spool, opened at the first record).
+    max_rows:
+        batch rows tracked per step (vLLM's ``max_num_seqs`` default is 256); a
+        bigger batch is checked as a whole (records carry all its trace ids).
+    max_slots:
+        capacity for numerical check sites beyond the instrumented modules.
+    sample_every:
+        check 1 request in N (a stable hash of the trace id picks them, so a
+        request is checked on every step or on none, on every rank).
+    stats_sample:
+        elements per row kept by ``full`` sites for mean/std in reports.
+    snapshot:
+        opt-in: keep ``snapshot_elems`` input values per row and put them in the
+        record's ``attrs["snapshot"]`` (for ``rca repro``). Token ids are user
+        content: leave it off unless the operator asked for it.
+    value_limits:
+        ``{glob: (lo, hi)}``: finite bounds for numerical sites (beyond them is a
+        ``range`` violation); NaN and infinities are always violations.
+    max_records_per_step:
+        records emitted per step at most; the rest are counted in the last one.
+    """
+
+    def __init__(
+        self,
+        sink: Sink | None = None,
+        *,
+        device: torch.device | str | None = None,
+        max_rows: int = 256,
+        max_slots: int = 64,
+        max_index_slots: int = 32,
+        sample_every: int = 1,
+        stats_sample: int = 32,
+        snapshot: bool = False,
+        snapshot_elems: int = 16,
+        value_limits: Mapping[str, tuple[float, float]] | None = None,
+        max_records_per_step: int = 64,
+        log_interval_s: float = 10.0,
+        catalog: Any = None,
+    ) -> None:
+        self._sink = sink
+        self._catalog = catalog
+        self.device = torch.device(device) if device is not None else None
+        self.max_rows = int(max_rows)
+        self._cols = self.max_rows + 1  # column 0: the whole batch (unattributed)
+        self._spare = int(max_slots)
+        self._ispare = int(max_index_slots)
+        self.sample_every = max(1, int(sample_every))
+        self.stats_sample = max(0, int(stats_sample))
+        self.snapshot = bool(snapshot)
+        self.snapshot_elems = max(1, int(snapshot_elems))
+        self.value_limits = dict(value_limits or {})
+        self.max_records_per_step = int(max_records_per_step)
+        self.log = RateLimitedLog(log_interval_s, log)
+        self._errlog = RateLimitedLog(log_interval_s, log)
+        self._lock = threading.Lock()
+
+        self._fslots: list[_FSlot] = []
+        self._islots: list[_ISlot] = []
+        self._fbyname: dict[str, int] = {}
+        self._ibyname: dict[str, int] = {}
+        self._ftier: list[int] = []
+        self._fzero: list[int] = []
+        self._feff: list[int] = self._ftier
+        self._bounds = True
+        self._state = False
+        self._ion: list[bool] = []
+        self._izero: list[bool] = []
+        self._ieff: list[bool] = self._ion
+        self._pending_limits: list[tuple[int, int, int]] = []
+        self._spec: Any = "default"
+        self._mask_dirty = True
+        self._allocated = False
+
+        # per-step host state
+        self._stepno = 1
+        self._fstamp: list[int] = []
+        self._istamp: list[int] = []
+        self._order: list[int] = []
+        self._iorder: list[int] = []
+        self._width = 0
+        self._last_x: torch.Tensor | None = None
+        self._graph_mode = False
+        self._idx_tensors: dict[tuple[int, ...], torch.Tensor] = {}
+        self._lim_cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self._fmeta: dict[int, dict[str, Any]] = {}
+        self._imeta: dict[int, dict[str, Any]] = {}
+        self._touched = False
+        self._rows: int | None = None
+        self._token_rows: torch.Tensor | None = None
+        self._launch_ids: list[str | None] | None = None
+        self._launch_req: list[str | None] | None = None
+        self._row_on: list[bool] | None = None
+        self._rowmask_host: list[bool] | None = None
+        self._active = True
+        self._in_step = False
+        self._stage: str | None = None
+        self._stage_fixed = False
+        self._host_fails: list[_Fail] = []
+        self._fviews: dict[int, list[Any]] = {}
+        self._sviews: dict[int, list[Any]] = {}
+        self._idx_cache: dict[tuple[int, int], torch.Tensor] = {}
+        self._sampled: dict[str, bool] = {}
+        self._rules: list[Rule] = [
+            FinishReasonRule(),
+            JsonSchemaRule(),
+            ToolCallSchemaRule(),
+            EmptyCompletionRule(),
+        ]
+
+        # model wiring
+        self._handles: list[Any] = []
+        self._mods: list[nn.Module | None] = []
+        self._fhandles: list[Any] = []
+        self._arm_all = False
+        self._arm_dirty = False
+        self._post_handle: Any = None
+        self._static_order: dict[int, int] = {}
+        self._model: nn.Module | None = None
+        self._logits_name: str | None = None
+        self._root_slot: int | None = None
+        self._max_positions: int | None = None
+        self._fwd_params: list[str] | None = None
+        self._mem_last: dict[str, int] = {}
+
+        # counters (status endpoint)
+        self.steps = 0
+        self.failures: dict[str, int] = {}
+        self.errors = 0
+        self.suppressed_records = 0
+        self._side_stream: Any = None
+
+    # ------------------------------------------------------------------ setup
+    def _code(self, name: str) -> Any:
+        if self._catalog is None:
+            from graph.catalog import default_catalog
+
+            self._catalog = default_catalog()
+        return self._catalog[name]
+
+    @property
+    def sink(self) -> Sink:
+        if self._sink is None:
+            self._sink = default_sink()
+        return self._sink
+
+    def _register_f(self, name: str, code: str, origin: str, *, logits: bool = False) -> int:
+        lo, hi = -_F32_MAX, _F32_MAX
+        for pat, (a, b) in self.value_limits.items():
+            if fnmatch.fnmatchcase(name, pat):
+                lo, hi = float(a), float(b)
+        self._fslots.append(_FSlot(name, code, origin, lo, hi, logits))
+        self._mods.append(None)
+        self._fhandles.append(None)
+        self._fbyname[name] = len(self._fslots) - 1
+        self._ftier.append(int(self._tier_for(name, origin, logits)))
+        self._fzero.append(0)
+        self._fstamp.append(0)
+        return len(self._fslots) - 1
+
+    def _register_i(
+        self, name: str, code: str, check: str, gate: str, *, lo: int = 0, hi: int | None = None
+    ) -> int:
+        slot = len(self._islots)
+        self._islots.append(_ISlot(name, code, check, gate, static=hi is not None))
+        self._ibyname[name] = slot
+        self._ion.append(self._bounds if gate == "bounds" else self._state)
+        self._izero.append(False)
+        self._istamp.append(0)
+        if hi is not None:
+            if self._allocated:
+                self._ilo[slot].fill_(lo)
+                self._ihi[slot].fill_(hi)
+            else:
+                self._pending_limits.append((slot, lo, hi))
+        return slot
+
+    def _alloc(self, device: torch.device) -> None:
+        """Fixed buffers: allocated once; hooks and compiled graphs write into them."""
+        self.device = device
+        nf = len(self._fslots) + self._spare
+        ni = len(self._islots) + self._ispare
+        c = self._cols
+        with torch.inference_mode(False), torch.no_grad():
+            kw = {"device": device}
+            # [min, max] x slot x column; column 0 is the whole batch, 1 + r is row r
+            self._fbuf = torch.empty((2, nf, c), dtype=torch.float32, **kw)
+            self._fbuf[0].fill_(math.inf)
+            self._fbuf[1].fill_(-math.inf)
+            self._fmin, self._fmax = self._fbuf[0], self._fbuf[1]
+            self._flo = torch.full((nf,), -_F32_MAX, dtype=torch.float32, **kw)
+            self._fhi = torch.full((nf,), _F32_MAX, dtype=torch.float32, **kw)
+            self._fmask = torch.zeros(nf, dtype=torch.bool, **kw)
+            # [min, max, lo, hi) x slot x column
+            self._ibuf = torch.empty((4, ni, c), dtype=torch.int64, **kw)
+            for i, v in enumerate((_I64_MAX, _I64_MIN, 0, _I64_MAX)):
+                self._ibuf[i].fill_(v)
+            self._imin, self._imax, self._ilo, self._ihi = self._ibuf.unbind(0)
+            self._imask = torch.zeros(ni, dtype=torch.bool, **kw)
+            self._rowmask = torch.ones(c, dtype=torch.bool, **kw)
+            self._fsample: torch.Tensor | None = None
+            self._fsnap: torch.Tensor | None = None
+            self._isnap: torch.Tensor | None = None
+        self._fcap, self._icap = nf, ni
+        # on CPU the host reads the buffers through numpy views: no torch op at all
+        # (right after a forward pass, each torch op costs 20-50 us of cold caches)
+        cpu = device.type == "cpu"
+        self._fnp = self._fbuf.numpy() if cpu else None
+        self._inp = self._ibuf.numpy() if cpu else None
+        self._allocated = True
+        if self._fslots:
+            n = len(self._fslots)
+            self._flo[:n].copy_(torch.tensor([s.lo for s in self._fslots]))
+            self._fhi[:n].copy_(torch.tensor([s.hi for s in self._fslots]))
+        for slot, lo, hi in self._pending_limits:
+            self._ilo[slot].fill_(lo)
+            self._ihi[slot].fill_(hi)
+        self._pending_limits = []
+        self._ensure_aux()
+        self._mask_dirty = True
+
+    def _ensure_aux(self) -> None:
+        """Sample and snapshot buffers, only once a site needs them."""
+        if not self._allocated:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            if self.stats_sample and self._fsample is None and any(t >= 2 for t in self._ftier):
+                self._fsample = torch.full(
+                    (self._fcap, self._cols, self.stats_sample), math.nan, device=self.device
+                )
+            if self.snapshot and self._fsnap is None:
+                shape = (self._cols, self.snapshot_elems)
+                kw = {"dtype": torch.float64, "device": self.device}
+                self._fsnap = torch.full((self._fcap, *shape), math.nan, **kw)
+                self._isnap = torch.full((self._icap, *shape), math.nan, **kw)
+
+    # ------------------------------------------------------------------ tiers
+    def _tier_for(self, name: str, origin: str, logits: bool) -> Tier:
+        spec = self._spec
+        base, patterns = _parse_spec(spec)
+        if base == "off":
+            t = Tier.OFF
+        elif base == "default":
+            t = Tier.NUMERICAL if (logits or origin == "explicit") else Tier.OFF
+        elif base == "numerical":
+            t = Tier.NUMERICAL
+        else:
+            t = Tier.FULL
+        for pat, tier in patterns:
+            if fnmatch.fnmatchcase(name, pat):
+                t = tier
+        return t
+
+    def set_tiers(self, spec: str | Mapping[str, Any] = "default", **switches: Any) -> dict:
+        """Change what is checked, at run time, without re-instrumenting.
+
+        ``spec``: a preset (``off``, ``default``, ``numerical``, ``full``) or a
+        mapping ``{"preset": "default", "model.layers.*.mlp*": "full", ...}``
+        (module-name globs, applied in order, the last match wins; the root module
+        is ``<root>``), optionally with ``"bounds": bool`` (index-bound checks,
+        on unless the preset is ``off``), ``"state": bool`` (KV length/shape
+        checks, on with ``full``), ``"sample_every": int``, ``"snapshot": bool``.
+        Safe to call from another thread: the host table is swapped at once; the
+        device mask (all a compiled graph obeys) is copied, and with
+        ``modules="auto"`` hooks are added or removed, by the serving thread at
+        its next step boundary (at once when no step is open).
+        """
+        if switches:
+            spec = {**_as_mapping(spec), **switches}
+        base, patterns = _parse_spec(spec)  # validates before anything changes
+        opts = spec if isinstance(spec, Mapping) else {}
+        with self._lock:
+            self._spec = spec
+            self._bounds = bool(opts.get("bounds", base != "off"))
+            self._state = bool(opts.get("state", base == "full"))
+            if "sample_every" in opts:
+                self.sample_every = max(1, int(opts["sample_every"]))
+                self._sampled.clear()
+            if "snapshot" in opts:
+                self.snapshot = bool(opts["snapshot"])
+            tiers = [int(self._tier_for(s.name, s.origin, s.logits)) for s in self._fslots]
+            ion = [self._bounds if s.gate == "bounds" else self._state for s in self._islots]
+            self._ftier = tiers
+            self._ion = ion
+            self._feff = tiers if self._active else self._fzero
+            self._ieff = ion if self._active else self._izero
+            self._mask_dirty = True
+            self._ensure_aux()
+            if self._in_step:
+                self._arm_dirty = True
+            else:
+                self._arm()
+        return self.status()
+
+    def _arm(self) -> None:
+        """Hooks on the modules whose tier is not off (all of them with
+        ``modules="all"``): an idle forward hook still costs ~4 us per call in
+        eager mode (PyTorch's slow call path), so production hooks only what it
+        checks. Runs in the serving thread at a step boundary when a step is open."""
+        self._arm_dirty = False
+        model = self._model
+        want_post = model is not None and (self._arm_all or self._state)
+        if want_post and self._post_handle is None:
+            self._post_handle = model.register_forward_hook(self._root_post_hook, with_kwargs=True)
+        elif not want_post and self._post_handle is not None:
+            self._post_handle.remove()
+            self._post_handle = None
+        for slot, mod in enumerate(self._mods):
+            if mod is None:
+                continue
+            want = self._arm_all or self._ftier[slot] > 0
+            h = self._fhandles[slot]
+            if want and h is None:
+                self._fhandles[slot] = mod.register_forward_hook(self._output_hook(slot))
+            elif not want and h is not None:
+                h.remove()
+                self._fhandles[slot] = None
+
+    def _sync_mask(self) -> None:
+        if not (self._mask_dirty and self._allocated):
+            return
+        self._mask_dirty = False
+        nf, ni = len(self._ftier), len(self._ion)
+        fm = torch.zeros(self._fcap, dtype=torch.bool)
+        fm[:nf] = torch.tensor([t > 0 for t in self._ftier], dtype=torch.bool) if nf else fm[:0]
+        im = torch.zeros(self._icap, dtype=torch.bool)
+        im[:ni] = torch.tensor(self._ion, dtype=torch.bool) if ni else im[:0]
+        self._fmask.copy_(fm, non_blocking=True)
+        self._imask.copy_(im, non_blocking=True)
+
+    def status(self) -> dict[str, Any]:
+        """What is checked now, and what was found: the ``/health/checker_status`` body."""
+        counts = {t.name.lower(): 0 for t in Tier}
+        for t in self._ftier:
+            counts[Tier(t).name.lower()] += 1
+        active = {
+            s.name: Tier(t).name.lower()
+            for s, t in zip(self._fslots, self._ftier, strict=False)
+            if t > 0
+        }
+        if len(active) > 64:
+            active = dict(list(active.items())[:64]) | {"...": f"{len(active) - 64} more"}
+        return {
+            "spec": self._spec,
+            "bounds": self._bounds,
+            "state": self._state,
+            "sample_every": self.sample_every,
+            "snapshot": self.snapshot,
+            "sites": counts,
+            "active": active,
+            "index_sites": [s.name for s in self._islots],
+            "logits_module": self._logits_name,
+            "max_rows": self.max_rows,
+            "device": str(self.device) if self.device is not None else None,
+            "steps": self.steps,
+            "failures": dict(self.failures),
+            "suppressed_records": self.suppressed_records,
+            "suppressed_logs": dict(self.log.suppressed),
+            "probe_errors": self.errors,
+        }
+
+    # ------------------------------------------------------------------ wiring
+    def attach(
+        self,
+        model: nn.Module,
+        *,
+        logits: str | None = None,
+        max_positions: int | None = None,
+        modules: str = "auto",
+    ) -> Checker:
+        """Register every module of ``model`` as a check site.
+
+        ``modules="auto"``: forward hooks only on the sites whose tier is not off
+        (added and removed by :func:`set_tiers`, at a step boundary);
+        ``modules="all"``: hooks on every module from the start, tiers switched
+        by the host table and the device mask only: use it before
+        ``torch.compile`` or CUDA-graph capture, which trace the hooks once."""
+        if modules not in ("auto", "all"):
+            raise ValueError(f"modules must be 'auto' or 'all', not {modules!r}")
+        self._arm_all = modules == "all"
+        self._model = model
+        names = {id(m): n for n, m in model.named_modules()}
+        self._logits_name = logits if logits is not None else _find_logits(model, names)
+        cfg = getattr(model, "config", None)
+        self._max_positions = max_positions or getattr(cfg, "max_position_embeddings", None)
+        token_emb = _input_embeddings(model)
+        for name, mod in model.named_modules():
+            label = name or _ROOT
+            if isinstance(mod, nn.Embedding):
+                is_tok = mod is token_emb or (token_emb is None and "pos" not in name.lower())
+                code = "TOKEN_ID_OUT_OF_VOCAB" if is_tok else "POSITION_OUT_OF_RANGE"
+                check = "token_bounds" if is_tok else "position_bounds"
+                islot = self._register_i(
+                    f"{label}:ids", code, check, "bounds", lo=0, hi=mod.num_embeddings
+                )
+                self._handles.append(mod.register_forward_pre_hook(self._embedding_hook(islot)))
+            if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+                continue
+            is_logits = label == self._logits_name
+            code = "LOGITS_NAN" if is_logits else "ACTIVATION_INF"
+            slot = self._register_f(label, code, "module", logits=is_logits)
+            self._mods[slot] = mod
+            if mod is model:
+                self._root_slot = slot
+        # completion order of forward hooks (children before parents): the order a
+        # compiled model's failures are ranked in, where no hook ran on the host
+        rank = {id(m): i for i, m in enumerate(_post_order(model))}
+        self._static_order = {
+            slot: rank.get(id(m), len(rank) + slot)
+            for slot, m in enumerate(self._mods)
+            if m is not None
+        }
+        self._pos_slot = self._register_i(
+            "<root>:position_ids", "POSITION_OUT_OF_RANGE", "position_bounds", "bounds"
+        )
+        self._kvlen_slot = self._register_i(
+            "<root>:kv_length", "KV_LENGTH_POSITION_MISMATCH", "kv_length", "state", lo=0, hi=1
+        )
+        try:
+            self._fwd_params = list(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            self._fwd_params = None
+        self._handles.append(model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
+        self.set_tiers(self._spec)
+        dev = _model_device(model)
+        if dev is not None and not self._allocated:
+            self._alloc(dev)
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook this checker installed."""
+        extra = [self._post_handle] if self._post_handle is not None else []
+        for h in self._handles + [h for h in self._fhandles if h is not None] + extra:
+            h.remove()
+        self._post_handle = None
+        self._model = None
+        self._handles.clear()
+        self._fhandles = [None] * len(self._fhandles)
+        self._mods = [None] * len(self._mods)
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(
+        self,
+        trace_ids: Sequence[str | None] | None = None,
+        *,
+        request_ids: Sequence[str | None] | None = None,
+        token_rows: torch.Tensor | None = None,
+        stage: str | None = None,
+    ) -> None:
+        """Start a step: batch row i belongs to ``trace_ids[i]`` (captured now,
+        on the host, because the flags are read later). ``token_rows`` maps a
+        flattened token dimension (vLLM layout) to batch rows."""
+        try:
+            self._sync_mask()
+            self._in_step = True
+            self._stage = stage
+            self._stage_fixed = stage is not None
+            self._token_rows = token_rows
+            if trace_ids is None:
+                self._launch_ids = None
+                self._launch_req = list(request_ids) if request_ids is not None else None
+                self._rows = None
+                self._set_rowmask(None)
+                return
+            ids = list(trace_ids)
+            req = list(request_ids) if request_ids is not None else [None] * len(ids)
+            self._launch_ids, self._launch_req = ids, req
+            if len(ids) > self.max_rows:
+                self._rows = -1
+                self.log.warning("probe.ops.rows", f"batch of {len(ids)} > max_rows")
+            else:
+                self._rows = len(ids)
+            if self.sample_every == 1:
+                self._set_rowmask(None)
+            else:
+                pairs = enumerate(zip(ids, req, strict=False))
+                self._set_rowmask([self._is_sampled(t, r, i) for i, (t, r) in pairs])
+        except Exception as exc:  # never into the serving process
+            self._error("begin_step", exc)
+
+    def _is_sampled(self, trace_id: str | None, request_id: str | None, row: int) -> bool:
+        if self.sample_every == 1:
+            return True
+        key = trace_id or request_id
+        if key is None:
+            return (self._stepno + row) % self.sample_every == 0
+        hit = self._sampled.get(key)
+        if hit is None:
+            if len(self._sampled) > 65536:
+                self._sampled.clear()
+            hit = self._sampled[key] = zlib.crc32(key.encode()) % self.sample_every == 0
+        return hit
+
+    def _set_rowmask(self, on: list[bool] | None) -> None:
+        self._row_on = on
+        active = on is None or any(on)
+        self._active = active
+        self._feff = self._ftier if active else self._fzero
+        self._ieff = self._ion if active else self._izero
+        if not self._allocated:
+            return
+        host = (
+            [True] * self._cols if on is None else [True, *on] + [True] * (self._cols - 1 - len(on))
+        )
+        if host != self._rowmask_host:
+            self._rowmask_host = host
+            self._rowmask.copy_(torch.tensor(host, dtype=torch.bool), non_blocking=True)
+
+    def step(self, trace_ids: Sequence[str | None] | None = None, **kw: Any) -> _Step:
+        """``with checker.step(trace_ids): model(...)`` -> ``.records`` after the block."""
+        return _Step(self, trace_ids, kw)
+
+    # ------------------------------------------------------------------ hooks
+    def _output_hook(self, slot: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if torch.compiler.is_compiling():
+                self._traced_output(slot, output)
+            elif self._feff[slot]:
+                self._on_output(slot, args, output)
+
+        return hook
+
+    def _embedding_hook(self, islot: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if self._ieff[islot] and args and isinstance(args[0], torch.Tensor):
+                try:
+                    self._index(islot, args[0])
+                except Exception as exc:
+                    self._error("embedding", exc)
+
+        return hook
+
+    def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling() or not self._active:
+            return
+        try:
+            self._inputs(args, kwargs)
+        except Exception as exc:
+            self._error("inputs", exc)
+
+    def _root_post_hook(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        if torch.compiler.is_compiling() or not (self._state and self._active):
+            return
+        try:
+            cache = _get_arg(kwargs, args, self._fwd_params, ("cache", "past_key_values"))
+            if cache is None:
+                cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            if cache is not None:
+                self._kv_shapes(cache)
+        except Exception as exc:
+            self._error("state", exc)
+
+    def _inputs(self, args: tuple, kwargs: dict) -> None:
+        """Root pre-hook: positions vs the cache length and the position table; the
+        KV length vs the positions (state)."""
+        names = self._fwd_params
+        ids = _get_arg(kwargs, args, names, ("input_ids",))
+        pos = _get_arg(kwargs, args, names, ("position_ids", "positions"))
+        cache = _get_arg(kwargs, args, names, ("cache", "past_key_values", "kv_cache"))
+        mask = _get_arg(kwargs, args, names, ("attention_mask",))
+        ref = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+        t = ref.shape[1] if isinstance(ref, torch.Tensor) and ref.dim() >= 2 else None
+        if t is not None and not self._stage_fixed:
+            self._stage = "prefill" if t > 1 else "decode"
+        past = _past_length(cache)
+        limit = self._max_positions
+        cache_len = past + t if (past is not None and t is not None) else None
+        if cache_len is not None and limit is not None:
+            limit = min(limit, cache_len)
+        elif cache_len is not None:
+            limit = cache_len
+        if not isinstance(pos, torch.Tensor):
+            mp = self._max_positions
+            if self._bounds and cache_len is not None and mp is not None and cache_len > mp:
+                self._host_fail(
+                    "POSITION_OUT_OF_RANGE",
+                    "position_bounds",
+                    {"cache_len": cache_len, "max_positions": mp},
+                    f"sequence of {cache_len} positions > max_position_embeddings",
+                )
+            return
+        if self._ieff[self._pos_slot] and limit is not None:
+            self._index(self._pos_slot, pos, lo=0, hi=int(limit))
+            meta = {"cache_len": cache_len, "max_positions": self._max_positions}
+            self._imeta[self._pos_slot]["extra"] = meta
+        if self._ieff[self._kvlen_slot] and pos.dim() >= 1:
+            last = pos[..., -1] if pos.dim() >= 2 else pos[-1:]
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                diff = last + 1 - mask.sum(-1)
+                meta = {"expected": "attention_mask row sums"}
+            elif cache_len is not None:
+                diff = last + (1 - cache_len)
+                meta = {"expected_kv_len": cache_len}
+            else:
+                return
+            self._index(self._kvlen_slot, diff)
+            self._imeta[self._kvlen_slot]["extra"] = meta
+
+    def _kv_shapes(self, cache: Any) -> None:
+        """KV shapes and heads consistent across layers (host metadata only)."""
+        shapes = _kv_layer_shapes(cache)
+        groups: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
+        for i, kind, shape in shapes:
+            groups.setdefault(kind, []).append((i, shape))
+        for kind, items in groups.items():
+            ref = items[0][1]
+            bad = [(i, s) for i, s in items if s != ref]
+            if bad:
+                self._host_fail(
+                    "KV_LENGTH_POSITION_MISMATCH",
+                    "kv_shapes",
+                    {
+                        "layer_kind": kind,
+                        "reference": {"layer": items[0][0], "shape": list(ref)},
+                        "mismatched": [{"layer": i, "shape": list(s)} for i, s in bad[:8]],
+                    },
+                    f"KV shapes differ across layers ({len(bad)} of {len(items)})",
+                )
+
+    # ------------------------------------------------------------------ reductions
+    def _resolve_rows(self, x: torch.Tensor) -> tuple[str, int]:
+        """('row', n) per batch row, ('tok', n) flattened tokens, ('all', 1) whole."""
+        if x.dim() == 0:
+            return "all", 1
+        n = x.shape[0]
+        rows = self._rows
+        if rows is None:
+            if 0 < n <= self.max_rows:
+                return "row", n
+        elif rows > 0 and n == rows:
+            return "row", n
+        tr = self._token_rows
+        if tr is not None and rows is not None and rows > 0 and n == tr.shape[0]:
+            return "tok", n
+        return "all", 1
+
+    def _cols_of(self, mode: str, n: int) -> slice:
+        """Buffer columns: 0 is the whole batch, 1 + r is batch row r."""
+        if mode == "row":
+            return slice(1, n + 1)
+        if mode == "tok":
+            return slice(1, self.max_rows + 1)
+        return slice(0, 1)
+
+    def _fview(self, slot: int, mode: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = n if mode == "row" else (-2 if mode == "tok" else -1)
+        lst = self._fviews.get(key)
+        if lst is None:
+            if len(self._fviews) > 16:
+                self._fviews.clear()
+            lst = self._fviews[key] = [None] * self._fcap
+        v = lst[slot]
+        if v is None:
+            cols = self._cols_of(mode, n)
+            v = lst[slot] = (self._fmin[slot, cols], self._fmax[slot, cols])
+        return v
+
+    def _on_output(self, slot: int, args: tuple, output: Any) -> None:
+        try:
+            x = output if type(output) is torch.Tensor else _first_float(output)
+            if x is None or not x.is_floating_point():
+                return
+            if x is self._last_x:
+                return  # a container returning its last child's output: checked already
+            if not self._allocated:
+                self._alloc(x.device)
+            tier = self._feff[slot]
+            mode, n = self._float(slot, x)
+            self._last_x = x
+            if tier >= 2:
+                if type(output) is not torch.Tensor:
+                    for y in _other_floats(output, x):
+                        self._float(slot, y)
+                if self._fsample is not None:
+                    self._sample(slot, x, mode, n)
+            if self.snapshot and self._fsnap is not None:
+                inp = _first_tensor(args)
+                if inp is not None:
+                    self._snap(self._fsnap, slot, inp)
+        except Exception as exc:
+            self._error(self._fslots[slot].name, exc)
+
+    def _float(self, slot: int, x: torch.Tensor) -> tuple[str, int]:
+        """Row min/max of ``x`` into the slot's buffers: no host read. Returns the
+        row layout used, ``(mode, n)``."""
+        if x.requires_grad:
+            x = x.detach()
+        mode, n = self._resolve_rows(x)
+        first = self._fstamp[slot] != self._stepno
+        if first:
+            self._fstamp[slot] = self._stepno
+            self._order.append(slot)
+            self._fmeta[slot] = {"shape": x.shape, "dtype": x.dtype}
+            self._touched = True
+        width = n + 1 if mode == "row" else (self._cols if mode == "tok" else 1)
+        if width > self._width:
+            self._width = width
+        mn, mx = self._fview(slot, mode, n)
+        nd = x.dim()
+        if mode == "row":
+            if nd == 1:
+                a = b = x
+            elif x.is_cuda and x.is_contiguous():
+                a, b = torch.aminmax(x.view(n, -1), dim=1)  # one fused pass
+            elif first and x.dtype == torch.float32:
+                # CPU: two vectorized reductions beat aminmax(dim) by 20-40x
+                torch.amin(x, dim=_DIMS[nd], out=mn)
+                torch.amax(x, dim=_DIMS[nd], out=mx)
+                return mode, n
+            else:
+                a, b = torch.amin(x, dim=_DIMS[nd]), torch.amax(x, dim=_DIMS[nd])
+        elif mode == "tok":
+            if nd == 1:
+                a = b = x
+            elif x.is_cuda and x.is_contiguous():
+                a, b = torch.aminmax(x.view(n, -1), dim=1)
+            else:
+                a, b = torch.amin(x, dim=_DIMS[nd]), torch.amax(x, dim=_DIMS[nd])
+            # scatter min/max do not propagate NaN: make it -inf / +inf (non-finite)
+            a = torch.nan_to_num(a.float(), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+            b = torch.nan_to_num(b.float(), nan=math.inf, posinf=math.inf, neginf=-math.inf)
+            mn.scatter_reduce_(0, self._token_rows, a, "amin")
+            mx.scatter_reduce_(0, self._token_rows, b, "amax")
+            return mode, n
+        elif x.is_cuda:
+            a, b = torch.aminmax(x)
+        else:
+            a, b = torch.amin(x), torch.amax(x)
+        if first:
+            mn.copy_(a)
+            mx.copy_(b)
+        else:
+            torch.minimum(mn, a.to(mn.dtype), out=mn)
+            torch.maximum(mx, b.to(mx.dtype), out=mx)
+        return mode, n
+
+    def _traced_output(self, slot: int, output: Any) -> None:
+        """The hook as torch.compile traces it: no host state, accumulate only;
+        the device mask in end_step decides whether it counts."""
+        self._graph_mode = True
+        x = output if isinstance(output, torch.Tensor) else _first_float(output)
+        if x is None or not x.is_floating_point() or x.dim() < 2:
+            return
+        n = x.shape[0]
+        if n > self.max_rows:
+            return
+        dims = _DIMS[x.dim()]
+        a = torch.amin(x.detach(), dim=dims).float()
+        b = torch.amax(x.detach(), dim=dims).float()
+        self._fmin[slot, 1 : n + 1] = torch.minimum(self._fmin[slot, 1 : n + 1], a)
+        self._fmax[slot, 1 : n + 1] = torch.maximum(self._fmax[slot, 1 : n + 1], b)
+
+    def _sample(self, slot: int, x: torch.Tensor, mode: str, n: int) -> None:
+        """A bounded, evenly spaced sample per row, for mean/std in reports."""
+        if mode == "tok":
+            return
+        xr = (x.detach() if x.requires_grad else x).reshape(n, -1)
+        length = xr.shape[1]
+        k = min(self.stats_sample, length)
+        idx = self._spaced(length, k, x.device)
+        key = n if mode == "row" else -1
+        lst = self._sviews.get(key)
+        if lst is None:
+            if len(self._sviews) > 16:
+                self._sviews.clear()
+            lst = self._sviews[key] = [None] * self._fcap
+        view = lst[slot]
+        if view is None:
+            assert self._fsample is not None
+            view = lst[slot] = self._fsample[slot, self._cols_of(mode, n)]
+        if k < self.stats_sample:
+            view[:, :k].copy_(xr.index_select(1, idx))
+        elif xr.dtype == torch.float32:
+            torch.index_select(xr, 1, idx, out=view)
+        else:
+            view.copy_(xr.index_select(1, idx))
+        meta = self._fmeta.get(slot)
+        if meta is not None:
+            meta["k"] = k
+
+    def _snap(self, buf: torch.Tensor, slot: int, t: torch.Tensor) -> None:
+        """Opt-in: a few input values per row, for a later ``rca repro``."""
+        mode, n = self._resolve_rows(t)
+        if mode == "tok":
+            mode, n = "all", 1
+        tr = t.detach().reshape(n, -1)
+        k = min(self.snapshot_elems, tr.shape[1])
+        if k == 0:
+            return
+        view = buf[slot, self._cols_of(mode, n), :k]
+        view.copy_(tr.index_select(1, self._spaced(tr.shape[1], k, t.device)).to(view.dtype))
+        meta = (self._fmeta if buf is self._fsnap else self._imeta).get(slot)
+        if meta is not None:
+            dtype = str(t.dtype).replace("torch.", "")
+            meta["snap"] = {"shape": list(t.shape), "dtype": dtype, "k": k}
+
+    def _spaced(self, length: int, k: int, device: torch.device) -> torch.Tensor:
+        key = (length, k)  # one device per checker
+        idx = self._idx_cache.get(key)
+        if idx is None:
+            if len(self._idx_cache) > 256:
+                self._idx_cache.clear()
+            with torch.inference_mode(False):
+                idx = torch.linspace(0, length - 1, k).round().long().to(device)
+            self._idx_cache[key] = idx
+        return idx
+
+    def _index(
+        self,
+        islot: int,
+        t: torch.Tensor,
+        *,
+        lo: int | torch.Tensor | None = None,
+        hi: int | torch.Tensor | None = None,
+    ) -> None:
+        """Per-row integer min/max of ``t`` vs [lo, hi): no host read."""
+        if not self._allocated:
+            self._alloc(t.device)
+        mode, n = self._resolve_rows(t)
+        first = self._istamp[islot] != self._stepno
+        if first:
+            self._istamp[islot] = self._stepno
+            self._iorder.append(islot)
+            self._touched = True
+            self._imeta[islot] = {"shape": t.shape, "dtype": t.dtype}
+        cols = self._cols_of(mode, n)
+        if cols.stop > self._width:
+            self._width = cols.stop
+        mn, mx = self._imin[islot, cols], self._imax[islot, cols]
+        lov, hiv = self._ilo[islot, cols], self._ihi[islot, cols]
+        if lo is not None:
+            lov.copy_(lo) if isinstance(lo, torch.Tensor) else lov.fill_(lo)
+        if hi is not None:
+            hiv.copy_(hi) if isinstance(hi, torch.Tensor) else hiv.fill_(hi)
+        if mode == "row":
+            if t.dim() == 1:
+                torch.minimum(mn, t.long(), out=mn)
+                torch.maximum(mx, t.long(), out=mx)
+                return
+            dims = _DIMS[t.dim()]
+            if first and t.dtype == torch.int64:
+                torch.amin(t, dim=dims, out=mn)
+                torch.amax(t, dim=dims, out=mx)
+            else:
+                torch.minimum(mn, torch.amin(t, dim=dims).long(), out=mn)
+                torch.maximum(mx, torch.amax(t, dim=dims).long(), out=mx)
+        elif mode == "tok":
+            tr = self._token_rows
+            vals = t.reshape(n, -1).long()
+            mn.scatter_reduce_(0, tr, vals.amin(1), "amin")
+            mx.scatter_reduce_(0, tr, vals.amax(1), "amax")
+        else:
+            torch.minimum(mn, t.min().long(), out=mn)
+            torch.maximum(mx, t.max().long(), out=mx)
+        if self.snapshot and self._isnap is not None:
+            self._snap(self._isnap, islot, t)
+
+    # ------------------------------------------------------------------ explicit
+    def check(
+        self,
+        name: str,
+        x: torch.Tensor,
+        *,
+        lo: float | None = None,
+        hi: float | None = None,
+        code: str = "ACTIVATION_INF",
+    ) -> None:
+        """NaN/inf (and, with ``lo``/``hi``, range) check of ``x`` per batch row."""
+        try:
+            slot = self._fbyname.get(name)
+            if slot is None:
+                slot = self._new_explicit(name, code, lo, hi)
+                if slot is None:
+                    return
+            if self._feff[slot]:
+                self._on_output(slot, (), x)
+        except Exception as exc:
+            self._error(name, exc)
+
+    def check_probs(self, probs: torch.Tensor, *, name: str = "sampler.probs") -> None:
+        """Sampling probabilities: NaN, inf or negative -> SAMPLER_PROB_INF_NAN."""
+        self.check(name, probs, lo=0.0, hi=_F32_MAX, code="SAMPLER_PROB_INF_NAN")
+
+    def _new_explicit(self, name: str, code: str, lo: float | None, hi: float | None) -> int | None:
+        with self._lock:
+            if len(self._fslots) >= getattr(self, "_fcap", 1 << 30):
+                self.log.warning("probe.ops.slots", f"no slot left for check {name!r}")
+                return None
+            slot = self._register_f(name, code, "explicit")
+            s = self._fslots[slot]
+            if lo is not None:
+                s.lo = float(lo)
+            if hi is not None:
+                s.hi = float(hi)
+            if self._allocated:
+                self._flo[slot] = s.lo
+                self._fhi[slot] = s.hi
+            self._mask_dirty = True
+            self._ensure_aux()
+            return slot
+
+    def _islot(self, name: str, code: str, check: str, gate: str = "bounds") -> int | None:
+        slot = self._ibyname.get(name)
+        if slot is not None:
+            return slot
+        with self._lock:
+            if self._allocated and len(self._islots) >= self._icap:
+                self.log.warning("probe.ops.slots", f"no index slot left for {name!r}")
+                return None
+            slot = self._register_i(name, code, check, gate)
+            self._mask_dirty = True
+            return slot
+
+    def _explicit_index(
+        self, name: str, code: str, check: str, t: torch.Tensor, lo: Any, hi: Any, gate: str
+    ) -> None:
+        try:
+            slot = self._islot(name, code, check, gate)
+            if slot is not None and self._ieff[slot]:
+                self._index(slot, t, lo=lo, hi=hi)
+        except Exception as exc:
+            self._error(name, exc)
+
+    def check_token_ids(
+        self, ids: torch.Tensor, vocab_size: int, *, name: str = "input_ids"
+    ) -> None:
+        """Token ids in [0, vocab_size) -> else TOKEN_ID_OUT_OF_VOCAB."""
+        self._explicit_index(
+            name, "TOKEN_ID_OUT_OF_VOCAB", "token_bounds", ids, 0, int(vocab_size), "bounds"
+        )
+
+    def check_positions(
+        self, positions: torch.Tensor, limit: int | torch.Tensor, *, name: str = "positions"
+    ) -> None:
+        """Positions in [0, limit) (``limit``: the cache length, per row or scalar,
+        or the position table size) -> else POSITION_OUT_OF_RANGE."""
+        if isinstance(limit, torch.Tensor) and positions.dim() >= 2 and limit.dim() == 1:
+            pos = positions.amax(dim=_DIMS[positions.dim()]) - limit  # must be < 0
+            lo_pos = positions.amin(dim=_DIMS[positions.dim()])
+            self._explicit_index(
+                name + ":lo", "POSITION_OUT_OF_RANGE", "position_bounds", lo_pos, 0, None, "bounds"
+            )
+            self._explicit_index(
+                name, "POSITION_OUT_OF_RANGE", "position_bounds", pos, _I64_MIN, 0, "bounds"
+            )
+            return
+        self._explicit_index(
+            name, "POSITION_OUT_OF_RANGE", "position_bounds", positions, 0, limit, "bounds"
+        )
+
+    def check_block_table(
+        self,
+        block_table: torch.Tensor,
+        num_blocks: int,
+        *,
+        blocks_used: torch.Tensor | None = None,
+        name: str = "block_table",
+    ) -> None:
+        """Block-table entries (per row, the first ``blocks_used`` of them) inside
+        the block pool; outside it a kernel reads or writes outside the KV cache
+        (reported as the CUDA illegal-address precondition)."""
+        bt = block_table
+        if blocks_used is not None and bt.dim() == 2:
+            cols = torch.arange(bt.shape[1], device=bt.device)
+            bt = torch.where(cols[None, :] < blocks_used[:, None], bt, 0)
+        self._explicit_index(
+            name, "CUDA_ERROR_ILLEGAL_ADDRESS", "block_table", bt, 0, int(num_blocks), "bounds"
+        )
+
+    def check_cu_seqlens(
+        self, cu_seqlens: torch.Tensor, num_tokens: int, *, name: str = "cu_seqlens"
+    ) -> None:
+        """``cu_seqlens`` ([rows + 1]): non-decreasing, from >= 0, up to the batch's
+        ``num_tokens``; else varlen kernels index outside the batch."""
+        start, end = cu_seqlens[:-1], cu_seqlens[1:]
+        bounds = torch.stack((start, end), dim=1)
+        self._explicit_index(
+            name,
+            "CUDA_ERROR_ILLEGAL_ADDRESS",
+            "cu_seqlens",
+            bounds,
+            0,
+            int(num_tokens) + 1,
+            "bounds",
+        )
+        self._explicit_index(
+            name + ":monotone",
+            "CUDA_ERROR_ILLEGAL_ADDRESS",
+            "cu_seqlens",
+            end - start,
+            0,
+            None,
+            "bounds",
+        )
+
+    def check_kv_length(
+        self, kv_lens: torch.Tensor, positions: torch.Tensor, *, name: str = "kv_length"
+    ) -> None:
+        """State: per row, the KV length after this step == last position + 1."""
+        last = positions[..., -1] if positions.dim() >= 2 else positions
+        self._explicit_index(
+            name, "KV_LENGTH_POSITION_MISMATCH", "kv_length", last + 1 - kv_lens, 0, 1, "state"
+        )
+
+    def check_kv_shapes(self, layers: Sequence[torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
+        """State: one KV tensor (or (K, V)) per layer; shapes must agree (host only)."""
+        try:
+            if not (self._state and self._active):
+                return
+            shapes = []
+            for i, layer in enumerate(layers):
+                ts = layer if isinstance(layer, (tuple, list)) else (layer,)
+                shapes.append((i, "kv", tuple(tuple(t.shape) for t in ts)))
+            self._kv_shapes(_Shapes(shapes))
+        except Exception as exc:
+            self._error("kv_shapes", exc)
+
+    def op(self, name: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: check the tensor a function returns (rows = its first dim)."""
+
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            label = name or getattr(fn, "__qualname__", repr(fn))
+
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                out = fn(*args, **kwargs)
+                x = out if isinstance(out, torch.Tensor) else _first_float(out)
+                if x is not None:
+                    self.check(label, x)
+                return out
+
+            return wrapper
+
+        return deco
+
+    # ------------------------------------------------------------------ read-back
+    def end_step(
+        self,
+        trace_ids: Sequence[str | None] | None = None,
+        *,
+        request_ids: Sequence[str | None] | None = None,
+        rerun: Callable[[], Any] | None = None,
+    ) -> list[S.ErrorContext]:
+        """Read the flags once, emit a record per failure, reset the buffers.
+
+        Trace ids captured by :meth:`begin_step` win over ``trace_ids`` here.
+        ``rerun``: optional, side-effect-free re-execution of the step (same
+        inputs, a copy of the cache). A numerical fault that reproduces is
+        persistent (``state_pollution``: weights, cache or inputs); one that does
+        not is ``transient`` (Megatron's rerun state machine, one rerun).
+        """
+        records: list[S.ErrorContext] = []
+        try:
+            self._sync_mask()
+            ids = self._launch_ids if self._launch_ids is not None else _opt_list(trace_ids)
+            req = self._launch_req if self._launch_req is not None else _opt_list(request_ids)
+            on = self._row_on
+            if on is None and ids is not None and self.sample_every > 1:
+                on = [self._is_sampled(t, None, i) for i, t in enumerate(ids)]
+            fails = self._collect() if (self._touched or self._graph_mode) else []
+            if rerun is not None and any(f.check == "numerical" for f in fails):
+                self._rerun(fails, rerun)
+            fails.extend(self._host_fails)
+            mem = self._memory() if self._state else None
+            records = self._records(fails, ids, req, on, mem)
+        except Exception as exc:
+            self._error("end_step", exc)
+        finally:
+            self._reset()
+            if self._arm_dirty:
+                self._arm()
+        for rec in records:
+            self._emit(rec)
+        return records
+
+    def _evaluate(self) -> torch.Tensor:
+        """[fslots + islots, cols] bool on the device: which (site, row) failed."""
+        fbad = ~((self._fmin >= self._flo[:, None]) & (self._fmax <= self._fhi[:, None]))
+        fbad &= self._fmask[:, None]
+        ibad = ~((self._imin >= self._ilo) & (self._imax < self._ihi))
+        ibad &= self._imask[:, None]
+        bad = torch.cat((fbad, ibad))
+        bad &= self._rowmask[None, :]
+        return bad
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """The one device->host read of a step (pinned buffer, side stream on CUDA)."""
+        return self._to_host_many([t])[0]
+
+    def _idx(self, slots: list[int]) -> torch.Tensor:
+        key = tuple(slots)
+        t = self._idx_tensors.get(key)
+        if t is None:
+            if len(self._idx_tensors) > 64:
+                self._idx_tensors.clear()
+            with torch.inference_mode(False):
+                t = self._idx_tensors[key] = torch.tensor(key, dtype=torch.long, device=self.device)
+        return t
+
+    def _collect(self) -> list[_Fail]:
+        """Which (site, row) failed: one device->host read."""
+        if self._graph_mode:
+            # compiled/captured hooks leave no host trace: evaluate every site
+            pairs = self._to_host(self._evaluate()).nonzero().tolist()
+            nf = self._fcap
+            fpairs = [(s, c) for s, c in pairs if s < nf and s < len(self._fslots)]
+            ipairs = [(s - nf, c) for s, c in pairs if s >= nf and s - nf < len(self._islots)]
+            return self._fails(fpairs, ipairs)
+        # eager: only the sites written this step, only the columns in use
+        fs, ins, w = list(self._order), list(self._iorder), self._width
+        if w == 0 or not (fs or ins):
+            return []
+        if self._fnp is not None and self._inp is not None:
+            host = []
+            if fs:
+                host.append(self._fnp[:, fs, :w])
+            if ins:
+                host.append(self._inp[:, ins, :w])
+        else:
+            dev = []
+            if fs:
+                dev.append(self._fbuf.index_select(1, self._idx(fs))[:, :, :w])
+            if ins:
+                dev.append(self._ibuf.index_select(1, self._idx(ins))[:, :, :w])
+            host = [t.numpy() for t in self._to_host_many(dev)]
+        ff = host.pop(0) if fs else None
+        ii = host.pop(0) if ins else None
+        lims = self._limits(fs) if fs else None
+        # fast all-clear test (neutral min +inf / max -inf pass; NaN fails)
+        fbad = None if ff is None else ~((ff[0] >= lims[0]) & (ff[1] <= lims[1]))
+        ibad = None if ii is None else (ii[0] < ii[2]) | (ii[1] >= ii[3])
+        if not ((fbad is not None and fbad.any()) or (ibad is not None and ibad.any())):
+            return []
+        cols_on = np.ones(w, dtype=bool)
+        if self._row_on is not None:
+            on = self._row_on[: w - 1]
+            cols_on[1 : len(on) + 1] = on
+        fpairs: list[tuple[int, int]] = []
+        ipairs: list[tuple[int, int]] = []
+        if fbad is not None:
+            on = np.array([self._ftier[s] > 0 for s in fs])[:, None]
+            bad = fbad & on & cols_on[None, :]
+            fpairs = [(fs[i], int(c)) for i, c in zip(*np.nonzero(bad), strict=True)]
+        if ibad is not None:
+            on = np.array([self._ion[s] for s in ins])[:, None]
+            bad = ibad & on & cols_on[None, :]
+            ipairs = [(ins[i], int(c)) for i, c in zip(*np.nonzero(bad), strict=True)]
+        return self._fails(fpairs, ipairs)
+
+    def _limits(self, fs: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        key = tuple(fs)
+        lims = self._lim_cache.get(key)
+        if lims is None:
+            if len(self._lim_cache) > 64:
+                self._lim_cache.clear()
+            lo = np.array([self._fslots[s].lo for s in fs], dtype=np.float32)[:, None]
+            hi = np.array([self._fslots[s].hi for s in fs], dtype=np.float32)[:, None]
+            lims = self._lim_cache[key] = (lo, hi)
+        return lims
+
+    def _to_host_many(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Several small tensors to the host with one synchronization."""
+        if not tensors or not tensors[0].is_cuda:
+            return tensors
+        main = torch.cuda.current_stream(tensors[0].device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=tensors[0].device)
+        side = self._side_stream
+        side.wait_stream(main)
+        out = []
+        with torch.cuda.stream(side):
+            for t in tensors:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t.record_stream(side)
+                out.append(host)
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()
+        return out
+
+    def _fails(self, fpairs: list[tuple[int, int]], ipairs: list[tuple[int, int]]) -> list[_Fail]:
+        """Failure details (values, samples, snapshots): a second read, only on failure."""
+        fails: list[_Fail] = []
+        if self._graph_mode or not self._order:
+            order = self._static_order  # no hook ran on the host: module completion order
+        else:
+            order = {s: i for i, s in enumerate(self._order)}  # as the hooks ran
+        if fpairs:
+            si = torch.tensor([s for s, _ in fpairs], device=self.device)
+            ri = torch.tensor([r for _, r in fpairs], device=self.device)
+            vals = torch.stack((self._fmin[si, ri], self._fmax[si, ri])).double().cpu()
+            samples = self._fsample[si, ri].double().cpu() if self._fsample is not None else None
+            snaps = self._fsnap[si, ri].cpu() if self._fsnap is not None else None
+            for k, (s, r) in enumerate(fpairs):
+                fails.append(
+                    self._float_fail(s, r, float(vals[0, k]), float(vals[1, k]), samples, snaps, k)
+                )
+                fails[-1].order = order.get(s, len(order) + s)
+        if ipairs:
+            si = torch.tensor([s for s, _ in ipairs], device=self.device)
+            ri = torch.tensor([r for _, r in ipairs], device=self.device)
+            vals = torch.stack(
+                (self._imin[si, ri], self._imax[si, ri], self._ilo[si, ri], self._ihi[si, ri])
+            ).cpu()
+            snaps = self._isnap[si, ri].cpu() if self._isnap is not None else None
+            for k, (s, r) in enumerate(ipairs):
+                fails.append(self._index_fail(s, r, vals[:, k].tolist(), snaps, k))
+        return fails
+
+    @staticmethod
+    def _row(col: int) -> int | None:
+        return None if col == 0 else col - 1
+
+    def _float_fail(
+        self,
+        s: int,
+        r: int,
+        mn: float,
+        mx: float,
+        samples: torch.Tensor | None,
+        snaps: torch.Tensor | None,
+        k: int,
+    ) -> _Fail:
+        slot = self._fslots[s]
+        if math.isnan(mn) or math.isnan(mx):
+            kind = "nan"
+        elif mx == math.inf:
+            kind = "+inf"
+        elif mn == -math.inf:
+            kind = "-inf"
+        else:
+            kind = "range"
+        meta = self._fmeta.get(s, {})
+        attrs: dict[str, Any] = {
+            "check": "numerical",
+            "module" if slot.origin == "module" else "site": slot.name,
+            "kind": kind,
+            "min": _num(mn),
+            "max": _num(mx),
+            "tier": Tier(self._ftier[s]).name.lower(),
+        }
+        if meta:
+            attrs["shape"] = list(meta["shape"])
+            attrs["dtype"] = str(meta["dtype"]).replace("torch.", "")
+        if kind == "range":
+            attrs["range"] = [_num(slot.lo), _num(slot.hi)]
+        if samples is not None and meta.get("k"):
+            attrs["sample"] = _sample_stats(samples[k, : meta["k"]])
+        snap = meta.get("snap")
+        if snaps is not None and snap:
+            values = _values(snaps[k, : snap["k"]])
+            attrs["snapshot"] = {**snap, "of": "input", "values": values}
+        code = slot.code
+        what = "logits" if slot.logits else "output"
+        msg = f"{kind} in {what} of {slot.name} (min {_num(mn)}, max {_num(mx)})"
+        return _Fail(
+            code, "numerical", self._row(r), attrs, msg, confidence=0.5 if kind == "range" else 1.0
+        )
+
+    def _index_fail(
+        self, s: int, r: int, v: list[int], snaps: torch.Tensor | None, k: int
+    ) -> _Fail:
+        slot = self._islots[s]
+        mn, mx, lo, hi = v
+        meta = self._imeta.get(s, {})
+        attrs: dict[str, Any] = {"check": slot.check, "site": slot.name, "min": mn, "max": mx}
+        if lo != _I64_MIN:
+            attrs["lo"] = lo
+        if hi != _I64_MAX:
+            attrs["hi_exclusive"] = hi
+        if meta:
+            attrs["shape"] = list(meta["shape"])
+            attrs["dtype"] = str(meta["dtype"]).replace("torch.", "")
+            attrs.update(meta.get("extra") or {})
+        snap = meta.get("snap")
+        if snaps is not None and snap:
+            values = _values(snaps[k, : snap["k"]])
+            attrs["snapshot"] = {**snap, "of": "checked", "values": values}
+        if slot.check == "kv_length":
+            off = mn if mn < lo else mx
+            msg = f"{slot.name}: last position + 1 - KV length = {off} (expected 0)"
+        else:
+            msg = f"{slot.name}: values in [{mn}, {mx}], allowed [{lo}, {hi})"
+        return _Fail(slot.code, slot.check, self._row(r), attrs, msg)
+
+    def _rerun(self, fails: list[_Fail], rerun: Callable[[], Any]) -> None:
+        host_fails = self._host_fails
+        self._clear()
+        try:
+            rerun()
+            again = self._collect() if (self._touched or self._graph_mode) else []
+            err = None
+        except Exception as exc:
+            again, err = [], f"{type(exc).__name__}: {exc}"
+        self._host_fails = host_fails
+        seen = {(f.attrs.get("module") or f.attrs.get("site"), f.row) for f in again}
+        for f in fails:
+            if f.check != "numerical":
+                continue
+            if err is not None:
+                f.attrs["rerun"] = {"error": err[:200]}
+                continue
+            key = (f.attrs.get("module") or f.attrs.get("site"), f.row)
+            reproduced = key in seen
+            f.attrs["rerun"] = {"reproduced": reproduced}
+            f.attrs["recoverability"] = "state_pollution" if reproduced else "transient"
+
+    def _memory(self) -> dict[str, Any] | None:
+        stats = memory_stats(self.device)
+        if stats is None:
+            return None
+        ooms = stats.get("num_ooms", 0) - self._mem_last.get("num_ooms", stats.get("num_ooms", 0))
+        retries = stats.get("num_alloc_retries", 0) - self._mem_last.get(
+            "num_alloc_retries", stats.get("num_alloc_retries", 0)
+        )
+        self._mem_last = {k: v for k, v in stats.items() if isinstance(v, int)}
+        out = {**stats, "new_ooms": ooms, "new_alloc_retries": retries}
+        if ooms > 0:
+            self._host_fails.append(
+                _Fail(
+                    "TORCH_CUDA_OOM",
+                    "allocator",
+                    None,
+                    {"check": "allocator", "memory": out},
+                    f"{ooms} allocator OOM(s) during the step",
+                )
+            )
+        return out
+
+    def _records(
+        self,
+        fails: list[_Fail],
+        ids: list[str | None] | None,
+        req: list[str | None] | None,
+        on: list[bool] | None,
+        mem: dict[str, Any] | None,
+    ) -> list[S.ErrorContext]:
+        if not fails:
+            return []
+        nrows = len(ids) if ids is not None else None
+
+        def rows_of(f: _Fail) -> list[int | None]:
+            if f.row is not None:
+                return [f.row]
+            if nrows:
+                return list(range(nrows))
+            return [None]
+
+        per_row: dict[int | None, list[_Fail]] = {}
+        for f in fails:
+            for r in rows_of(f):
+                if r is not None and on is not None and r < len(on) and not on[r]:
+                    continue
+                per_row.setdefault(r, []).append(f)
+        chosen: list[tuple[int | None, _Fail]] = []
+        for r, fs in per_row.items():
+            others = [f for f in fs if f.check != "numerical"]
+            nums = sorted((f for f in fs if f.check == "numerical"), key=lambda f: f.order)
+            chosen.extend((r, f) for f in others)
+            if nums:
+                head = nums[0]
+                rest = nums[1:]
+                if rest:
+                    head = _copy_fail(head)
+                    names = [f.attrs.get("module") or f.attrs.get("site") for f in rest]
+                    head.attrs["downstream"] = {"count": len(rest), "first": names[:5]}
+                chosen.append((r, head))
+                # the first failure of every other code too (the NaN logits a bad
+                # activation led to, a sampler check): symptoms the chain explains
+                seen = {head.code}
+                for f in rest:
+                    if f.code not in seen:
+                        seen.add(f.code)
+                        chosen.append((r, f))
+        chosen.sort(key=lambda rf: (rf[1].check == "numerical", rf[0] if rf[0] is not None else -1))
+        cap = self.max_records_per_step
+        dropped = max(0, len(chosen) - cap)
+        chosen = chosen[:cap]
+        self.suppressed_records += dropped
+        out: list[S.ErrorContext] = []
+        for i, (r, f) in enumerate(chosen):
+            attrs = dict(f.attrs)
+            rec_kw: dict[str, Any] = {}
+            recov = attrs.pop("recoverability", None)
+            if recov is not None:
+                rec_kw["recoverability"] = recov
+            if r is not None:
+                attrs["row"] = r
+            attrs["step"] = self.steps
+            if self.sample_every > 1:
+                attrs["sample_every"] = self.sample_every
+            if mem is not None:
+                attrs.setdefault("memory", mem)
+            if i == len(chosen) - 1 and dropped:
+                attrs["suppressed_records"] = dropped
+            trace = ids[r] if (ids is not None and r is not None and r < len(ids)) else None
+            rid = req[r] if (req is not None and r is not None and r < len(req)) else None
+            if r is None and ids:
+                attrs["trace_ids"] = [t for t in ids if t][:16]
+            code = self._code(f.code)
+            stage = self._stage if (self._stage and f.check in ("numerical",)) else None
+            rec = S.ErrorContext.from_catalog(
+                code,
+                source=SOURCE,
+                stage=stage or str(code.stage),
+                trace_id=trace,
+                request_id=rid,
+                message=f.message,
+                attrs=attrs,
+                confidence=f.confidence,
+                gpu_index=self.device.index
+                if self.device is not None and self.device.type == "cuda"
+                else None,
+                **rec_kw,
+            )
+            _plain_enums(rec)
+            out.append(rec)
+        return out
+
+    def _host_fail(self, code: str, check: str, attrs: dict[str, Any], msg: str) -> None:
+        self._touched = True
+        self._host_fails.append(_Fail(code, check, None, {"check": check, **attrs}, msg))
+
+    def _clear(self) -> None:
+        """Neutral buffers (min +inf, max -inf) and a new stamp: the next write of
+        every site is its first of the step."""
+        if self._allocated and (self._touched or self._graph_mode):
+            w = self._cols if self._graph_mode else self._width
+            if w and self._fnp is not None and self._inp is not None and not self._graph_mode:
+                if self._order:
+                    self._fnp[0, self._order, :w] = math.inf
+                    self._fnp[1, self._order, :w] = -math.inf
+                if self._iorder:
+                    self._inp[0, self._iorder, :w] = _I64_MAX
+                    self._inp[1, self._iorder, :w] = _I64_MIN
+            elif w:
+                self._fbuf[0, :, :w].fill_(math.inf)
+                self._fbuf[1, :, :w].fill_(-math.inf)
+                self._ibuf[0, :, :w].fill_(_I64_MAX)
+                self._ibuf[1, :, :w].fill_(_I64_MIN)
+        self._touched = False
+        self._host_fails = []
+        self._order = []
+        self._iorder = []
+        self._width = 0
+        self._last_x = None
+        self._stepno += 1
+
+    def _reset(self) -> None:
+        self._clear()
+        self.steps += 1
+        self._in_step = False
+        self._launch_ids = self._launch_req = None
+        self._token_rows = None
+        if not self._stage_fixed:
+            self._stage = None
+
+    def _emit(self, rec: S.ErrorContext) -> None:
+        self.failures[rec.code] = self.failures.get(rec.code, 0) + 1
+        self.log.warning(rec.code, f"{rec.message} (trace {rec.trace_id})")
+        try:
+            self.sink.emit(rec)
+        except Exception as exc:
+            self._error("sink", exc)
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        self._errlog.warning("probe.ops.error", f"{where}: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ semantic
+    def add_rule(self, rule: Rule) -> None:
+        """A semantic rule run by :meth:`end_request`."""
+        self._rules.append(rule)
+
+    @property
+    def rules(self) -> list[Rule]:
+        return self._rules
+
+    def end_request(self, output: RequestOutput) -> list[S.ErrorContext]:
+        """Run the semantic rules on a finished request; emit one record per
+        violation (lengths and paths only, never the content)."""
+        if _parse_spec(self._spec)[0] == "off":
+            return []
+        records = []
+        for rule in list(self._rules):
+            try:
+                found = rule(output)
+            except Exception as exc:
+                self._error(f"rule {getattr(rule, 'name', rule)!r}", exc)
+                continue
+            if found is None:
+                continue
+            for v in [found] if isinstance(found, Violation) else list(found):
+                attrs = {"check": "semantic", "rule": getattr(rule, "name", type(rule).__name__)}
+                attrs.update(v.attrs)
+                if output.text is not None:
+                    attrs.setdefault("output_chars", len(output.text))
+                if output.completion_tokens is not None:
+                    attrs.setdefault("completion_tokens", output.completion_tokens)
+                rec = S.ErrorContext.from_catalog(
+                    self._code(v.code),
+                    source=SOURCE,
+                    trace_id=output.trace_id,
+                    request_id=output.request_id,
+                    message=v.message,
+                    attrs=attrs,
+                )
+                records.append(_plain_enums(rec))
+        for rec in records:
+            self._emit(rec)
+        return records
+
+
+class _Step:
+    def __init__(self, checker: Checker, trace_ids: Any, kw: dict[str, Any]) -> None:
+        self.checker, self.trace_ids, self.kw = checker, trace_ids, kw
+        self.records: list[S.ErrorContext] = []
+
+    def __enter__(self) -> _Step:
+        rerun = self.kw.pop("rerun", None)
+        self._rerun = rerun
+        self.checker.begin_step(self.trace_ids, **self.kw)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.records = self.checker.end_step(rerun=self._rerun)
+
+
+class _Shapes:
+    """Adapter so :meth:`Checker.check_kv_shapes` reuses the cache-shape check."""
+
+    def __init__(self, shapes: list[tuple[int, str, Any]]) -> None:
+        self.shapes = shapes
+
+
+# ---------------------------------------------------------------------------
+# module-level API
+# ---------------------------------------------------------------------------
+def instrument(
+    model: nn.Module,
+    tiers: str | Mapping[str, Any] = "default",
+    *,
+    checker: Checker | None = None,
+    sink: Sink | None = None,
+    logits: str | None = None,
+    max_positions: int | None = None,
+    modules: str = "auto",
+    **checker_kw: Any,
+) -> Checker:
+    """Hook every module of ``model`` and return its :class:`Checker`.
+
+    With no arguments this is the production tier: per-row min/max of the final
+    logits, and the index bounds of the inputs (token ids vs the embedding size,
+    positions vs the cache length and ``max_position_embeddings``); only the
+    logits module, the embeddings and the root carry hooks. Switch tiers later
+    with :func:`set_tiers`. For ``torch.compile`` or CUDA graphs, instrument
+    with ``modules="all"`` before compiling: every hook is traced once and the
+    tiers then act through the device mask.
+    """
+    ck = checker if checker is not None else Checker(sink, **checker_kw)
+    _parse_spec(tiers)
+    ck._spec = tiers
+    return ck.attach(model, logits=logits, max_positions=max_positions, modules=modules)
+
+
+def set_tiers(
+    target: Checker | nn.Module, spec: str | Mapping[str, Any] = "default", **switches: Any
+) -> dict:
+    """Change tiers of a checker (or of the checker :func:`instrument` put on a
+    model) at run time; returns the new status."""
+    ck = target if isinstance(target, Checker) else _checker_of(target)
+    return ck.set_tiers(spec, **switches)
+
+
+def _checker_of(model: nn.Module) -> Checker:
+    for hook in getattr(model, "_forward_pre_hooks", {}).values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, Checker):
+            return owner
+    raise ValueError("this model has no checker: call instrument(model) first")
+
+
+def handle_checker_status(
+    checker: Checker, method: str = "GET", body: bytes | str | Mapping[str, Any] | None = None
+) -> tuple[int, dict[str, Any]]:
+    """``/health/checker_status``: GET returns the status; POST/PUT a JSON body
+    ``{"tiers": "full" | {...}, "sample_every": 4, "snapshot": false,
+    "bounds": true}`` changes it. Returns ``(http_status, json_body)``; never raises."""
+    try:
+        m = method.upper()
+        if m in ("GET", "HEAD"):
+            return 200, checker.status()
+        if m not in ("POST", "PUT", "PATCH"):
+            return 405, {"error": f"method {method} not allowed", "allow": ["GET", "POST"]}
+        if isinstance(body, (bytes, bytearray)):
+            body = body.decode("utf-8")
+        data = json.loads(body) if isinstance(body, str) else dict(body or {})
+        if not isinstance(data, dict):
+            return 400, {"error": "body must be a JSON object"}
+        unknown = set(data) - {"tiers", "sample_every", "snapshot", "bounds", "state"}
+        if unknown:
+            return 400, {"error": f"unknown keys: {sorted(unknown)}"}
+        spec = data.get("tiers", checker._spec)
+        switches = {
+            k: data[k] for k in ("sample_every", "snapshot", "bounds", "state") if k in data
+        }
+        return 200, checker.set_tiers(spec, **switches)
+    except (ValueError, TypeError, json.JSONDecodeError) as exc:
+        return 400, {"error": str(exc)}
+    except Exception as exc:  # never into the server
+        checker._error("status handler", exc)
+        return 500, {"error": type(exc).__name__}
+
+
+def checker_status_handler(checker: Checker) -> Callable[..., tuple[int, dict[str, Any]]]:
+    """A ``handler(method, body) -> (status, dict)`` bound to ``checker``, to mount
+    at :data:`CHECKER_STATUS_PATH` in any web framework."""
+    return functools.partial(handle_checker_status, checker)
+
+
+def memory_stats(device: torch.device | str | None) -> dict[str, int] | None:
+    """Allocator counters where the device has them (CUDA): bytes in use and
+    reserved, the fragmentation signal (inactive split bytes), OOMs and retries."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    try:
+        st = torch.cuda.memory_stats(device)
+    except Exception:
+        return None
+    keys = {
+        "allocated_bytes": "allocated_bytes.all.current",
+        "reserved_bytes": "reserved_bytes.all.current",
+        "inactive_split_bytes": "inactive_split_bytes.all.current",
+        "num_ooms": "num_ooms",
+        "num_alloc_retries": "num_alloc_retries",
+    }
+    return {k: int(st.get(v, 0)) for k, v in keys.items()}
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+def _as_mapping(spec: Any) -> dict[str, Any]:
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    return {"preset": spec}
+
+
+def _parse_spec(spec: Any) -> tuple[str, list[tuple[str, Tier]]]:
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ValueError(f"unknown tier preset {spec!r} (one of {', '.join(PRESETS)})")
+        return spec, []
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"tiers must be a preset name or a mapping, not {type(spec).__name__}")
+    base = spec.get("preset", "off" if any(k not in _SWITCHES for k in spec) else "default")
+    if base not in PRESETS:
+        raise ValueError(f"unknown tier preset {base!r}")
+    patterns = [(str(k), _tier(v)) for k, v in spec.items() if k not in _SWITCHES]
+    return base, patterns
+
+
+_SWITCHES = frozenset({"preset", "bounds", "state", "sample_every", "snapshot"})
+
+
+def _post_order(model: nn.Module) -> list[nn.Module]:
+    out: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        for child in m.children():
+            walk(child)
+        out.append(m)
+
+    walk(model)
+    return out
+
+
+def _find_logits(model: nn.Module, names: dict[int, str]) -> str:
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            m = get()
+        except Exception:
+            m = None
+        if isinstance(m, nn.Module) and id(m) in names:
+            return names[id(m)] or _ROOT
+    emb = _input_embeddings(model)
+    vocab = emb.num_embeddings if emb is not None else None
+    last = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and (vocab is None or mod.out_features == vocab):
+            last = name
+    return last if last else _ROOT
+
+
+def _input_embeddings(model: nn.Module) -> nn.Embedding | None:
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            m = get()
+            if isinstance(m, nn.Embedding):
+                return m
+        except Exception:
+            pass
+    for mod in model.modules():
+        if isinstance(mod, nn.Embedding):
+            return mod
+    return None
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return None
+
+
+def _get_arg(kwargs: dict, args: tuple, params: list[str] | None, names: tuple[str, ...]) -> Any:
+    for n in names:
+        if n in kwargs:
+            return kwargs[n]
+    if args and params:
+        for n in names:
+            if n in params:
+                i = params.index(n)
+                if i < len(args):
+                    return args[i]
+    return None
+
+
+def _past_length(cache: Any) -> int | None:
+    """Tokens already in a transformers cache, from shapes only (no device read)."""
+    if cache is None:
+        return None
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        if not layers:
+            return 0
+        layer = layers[0]
+        if hasattr(layer, "max_cache_len") or getattr(layer, "is_sliding", False):
+            return None  # static/sliding: the shape is the capacity, not the length
+        keys = getattr(layer, "keys", None)
+        if keys is None or not isinstance(keys, torch.Tensor) or keys.numel() == 0:
+            return 0
+        return int(keys.shape[-2])
+    if isinstance(cache, (tuple, list)):
+        if not cache:
+            return 0
+        first = cache[0]
+        if isinstance(first, (tuple, list)) and first and isinstance(first[0], torch.Tensor):
+            return int(first[0].shape[-2])
+    return None
+
+
+def _kv_layer_shapes(cache: Any) -> list[tuple[int, str, Any]]:
+    if isinstance(cache, _Shapes):
+        return cache.shapes
+    out: list[tuple[int, str, Any]] = []
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for i, layer in enumerate(layers):
+            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.numel():
+                out.append((i, type(layer).__name__, (tuple(k.shape), tuple(v.shape))))
+    elif isinstance(cache, (tuple, list)):
+        for i, layer in enumerate(cache):
+            if isinstance(layer, (tuple, list)) and len(layer) >= 2:
+                out.append((i, "kv", tuple(tuple(t.shape) for t in layer[:2])))
+    return out
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            if isinstance(o, torch.Tensor):
+                return o
+    return None
+
+
+def _first_float(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.is_floating_point() else None
+    if isinstance(obj, Mapping):
+        logits = obj.get("logits") if hasattr(obj, "get") else None
+        if isinstance(logits, torch.Tensor):
+            return logits
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        for o in obj[:4]:
+            if isinstance(o, torch.Tensor) and o.is_floating_point():
+                return o
+    return None
+
+
+def _other_floats(obj: Any, first: torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return []
+    vals = list(obj.values()) if isinstance(obj, Mapping) else obj
+    if not isinstance(vals, (tuple, list)):
+        return []
+    return [
+        o
+        for o in vals[:4]
+        if isinstance(o, torch.Tensor) and o.is_floating_point() and o is not first
+    ]
+
+
+def _copy_fail(f: _Fail) -> _Fail:
+    return _Fail(f.code, f.check, f.row, dict(f.attrs), f.message, f.order, f.confidence)
+
+
+def _sample_stats(v: torch.Tensor) -> dict[str, Any]:
+    finite = v[torch.isfinite(v)]
+    out: dict[str, Any] = {"n": int(v.numel()), "nonfinite": int(v.numel() - finite.numel())}
+    if finite.numel():
+        out["min"] = _num(float(finite.min()))
+        out["max"] = _num(float(finite.max()))
+        out["mean"] = _num(float(finite.mean()))
+        out["std"] = _num(float(finite.std(unbiased=False)))
+    return out
+
+
+def _values(v: torch.Tensor) -> list[float | int | str]:
+    out: list[float | int | str] = []
+    for x in v.tolist():
+        if isinstance(x, float) and x.is_integer() and abs(x) < 2**53:
+            out.append(int(x))
+        else:
+            out.append(_num(float(x)))
+    return out
+
+
+def _opt_list(x: Sequence[Any] | None) -> list[Any] | None:
+    return list(x) if x is not None else None
+
+
+def _plain_enums(rec: S.ErrorContext) -> S.ErrorContext:
+    """Catalog enums as plain strings on the record."""
+    for key in ("stage", "recoverability", "severity"):
+        value = getattr(rec, key)
+        if value is not None:
+            setattr(rec, key, str(value))
+    return rec
+
+
+# ---------------------------------------------------------------------------
+# semantic rules
+# ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class RequestOutput:
+    """What a finished request produced, as a rule sees it.
+
+    ``response_format`` follows the OpenAI shape (``{"type": "json_schema",
+    "json_schema": {"schema": {...}}}`` or ``{"type": "json_object"}``);
+    ``tools`` are the request's tool definitions (``{"type": "function",
+    "function": {"name", "parameters"}}``); ``tool_calls`` what the model
+    produced (``{"function": {"name", "arguments": "<json>"}}``).
+    """
+
+    trace_id: str | None = None
+    request_id: str | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+    tool_calls: Sequence[Mapping[str, Any]] | None = None
+    response_format: Mapping[str, Any] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    completion_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    code: str
+    message: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+class Rule(Protocol):
+    name: str
+
+    def __call__(self, out: RequestOutput) -> Violation | Iterable[Violation] | None: ...
+
+
+#: OpenAI-compatible finish reasons (``function_call`` is the legacy one).
+DEFAULT_FINISH_REASONS = frozenset(
+    {"stop", "length", "tool_calls", "content_filter", "function_call"}
+)
+
+
+class FinishReasonRule:
+    """finish_reason outside the allowed set -> INVALID_FINISH_REASON."""
+
+    name = "finish_reason"
+
+    def __init__(self, allowed: Iterable[str] = DEFAULT_FINISH_REASONS) -> None:
+        self.allowed = frozenset(allowed)
+
+    def __call__(self, out: RequestOutput) -> Violation | None:
+        fr = out.finish_reason
+        if fr is None or fr in self.allowed:
+            return None
+        shown = fr if re.fullmatch(r"[A-Za-z_]{1,32}", fr) else "<non-standard>"
+        return Violation(
+            "INVALID_FINISH_REASON",
+            f"finish_reason {shown!r} not in {sorted(self.allowed)}",
+            {"finish_reason": shown},
+        )
+
+
+class JsonSchemaRule:
+    """The output text must be JSON (and match the schema) when the request asked
+    for JSON (``response_format``) or when a schema is given here ->
+    OUTPUT_SCHEMA_VIOLATION."""
+
+    name = "json_schema"
+
+    def __init__(self, schema: Mapping[str, Any] | None = None, *, max_errors: int = 5) -> None:
+        self.schema = schema
+        self.max_errors = max_errors
+
+    def __call__(self, out: RequestOutput) -> Violation | None:
+        schema, wants_json = self.schema, self.schema is not None
+        rf = out.response_format or {}
+        if rf.get("type") == "json_schema":
+            js = rf.get("json_schema") or {}
+            schema, wants_json = js.get("schema", schema), True
+        elif rf.get("type") == "json_object":
+            wants_json = True
+        if not wants_json or out.text is None:
+            return None
+        return _validate_text(out.text, schema, "$", self.max_errors, {"target": "content"})
+
+
+class ToolCallSchemaRule:
+    """Every tool call must name a declared tool and carry JSON arguments that
+    match its ``parameters`` schema -> OUTPUT_SCHEMA_VIOLATION."""
+
+    name = "tool_call_schema"
+
+    def __init__(self, *, max_errors: int = 5) -> None:
+        self.max_errors = max_errors
+
+    def __call__(self, out: RequestOutput) -> list[Violation]:
+        if not out.tool_calls:
+            return []
+        declared: dict[str, Any] = {}
+        for t in out.tools or ():
+            fn = t.get("function", t)
+            if isinstance(fn, Mapping) and "name" in fn:
+                declared[str(fn["name"])] = fn.get("parameters")
+        found = []
+        for i, call in enumerate(out.tool_calls):
+            fn = call.get("function", call)
+            name = fn.get("name") if isinstance(fn, Mapping) else None
+            where = {"target": "tool_call", "index": i}
+            if declared and name not in declared:
+                found.append(
+                    Violation(
+                        "OUTPUT_SCHEMA_VIOLATION",
+                        f"tool call {i}: undeclared tool",
+                        {**where, "declared": sorted(declared)[:16]},
+                    )
+                )
+                continue
+            where["tool"] = name
+            args = fn.get("arguments") if isinstance(fn, Mapping) else None
+            v = _validate_text(
+                args if isinstance(args, str) else json.dumps(args),
+                declared.get(name) if name else None,
+                "$",
+                self.max_errors,
+                where,
+            )
+            if v is not None:
+                found.append(v)
+        return found
+
+
+class EmptyCompletionRule:
+    """Finished with empty or whitespace-only content and no tool call ->
+    EMPTY_COMPLETION."""
+
+    name = "empty_completion"
+
+    def __call__(self, out: RequestOutput) -> Violation | None:
+        if out.text is None or out.tool_calls or out.text.strip():
+            return None
+        return Violation(
+            "EMPTY_COMPLETION",
+            f"empty completion (finish_reason {out.finish_reason!r})",
+            {"finish_reason": out.finish_reason},
+        )
+
+
+def _validate_text(
+    text: str, schema: Any, path: str, max_errors: int, where: dict[str, Any]
+) -> Violation | None:
+    try:
+        doc = json.loads(text)
+    except (json.JSONDecodeError, TypeError) as exc:
+        pos = getattr(exc, "pos", None)
+        return Violation(
+            "OUTPUT_SCHEMA_VIOLATION",
+            f"{where['target']}: not valid JSON ({getattr(exc, 'msg', 'not a string')}"
+            f"{f' at char {pos}' if pos is not None else ''})",
+            {**where, "error": "parse", "chars": len(text or "")},
+        )
+    if not isinstance(schema, Mapping):
+        return None
+    errors = validate_json_schema(doc, schema, path=path, limit=max_errors)
+    if not errors:
+        return None
+    return Violation(
+        "OUTPUT_SCHEMA_VIOLATION",
+        f"{where['target']}: {errors[0]}"
+        + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""),
+        {**where, "error": "schema", "violations": errors},
+    )
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (
+        isinstance(v, int) and not isinstance(v, bool) or (isinstance(v, float) and v.is_integer())
+    ),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+
+
+def _type_name(v: Any) -> str:
+    for name in ("null", "boolean", "integer", "number", "string", "array", "object"):
+        if _JSON_TYPES[name](v):
+            return name
+    return type(v).__name__
+
+
+def validate_json_schema(
+    doc: Any, schema: Mapping[str, Any], *, path: str = "$", limit: int = 5
+) -> list[str]:
+    """Violations of a JSON Schema subset, as ``path: reason`` (never the values).
+
+    Covers type, enum, const, properties, required, additionalProperties, items,
+    min/maxItems, min/maxLength, pattern, minimum/maximum (and exclusive), anyOf,
+    oneOf, allOf and local ``$ref`` (``#/$defs/...``, ``#/definitions/...``);
+    other keywords are ignored.
+    """
+    errors: list[str] = []
+    _validate(doc, schema, path, errors, limit, schema, 0)
+    return errors[:limit]
+
+
+def _validate(
+    v: Any, s: Any, path: str, errors: list[str], limit: int, root: Any, depth: int
+) -> None:
+    if len(errors) >= limit or not isinstance(s, Mapping) or depth > 64:
+        return
+    ref = s.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, Mapping) else None
+        if isinstance(target, Mapping):
+            _validate(v, target, path, errors, limit, root, depth + 1)
+        return
+    t = s.get("type")
+    if t is not None:
+        types = [t] if isinstance(t, str) else list(t)
+        if not any(_JSON_TYPES.get(x, lambda _: True)(v) for x in types):
+            errors.append(f"{path}: expected {'|'.join(types)}, got {_type_name(v)}")
+            return
+    if "enum" in s and v not in s["enum"]:
+        errors.append(f"{path}: not one of the {len(s['enum'])} allowed values")
+    if "const" in s and v != s["const"]:
+        errors.append(f"{path}: not the required constant")
+    if isinstance(v, dict):
+        props = s.get("properties") or {}
+        for req in s.get("required") or ():
+            if req not in v:
+                errors.append(f"{path}: missing required property {req!r}")
+        extra = s.get("additionalProperties", True)
+        for k, val in v.items():
+            sub = f"{path}.{k}" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k)) else f"{path}[?]"
+            if k in props:
+                _validate(val, props[k], sub, errors, limit, root, depth + 1)
+            elif extra is False:
+                errors.append(f"{path}: unexpected property {sub.rsplit('.', 1)[-1]!r}")
+            elif isinstance(extra, Mapping):
+                _validate(val, extra, sub, errors, limit, root, depth + 1)
+    if isinstance(v, list):
+        items = s.get("items")
+        if isinstance(items, Mapping):
+            for i, val in enumerate(v):
+                _validate(val, items, f"{path}[{i}]", errors, limit, root, depth + 1)
+        if "minItems" in s and len(v) < s["minItems"]:
+            errors.append(f"{path}: {len(v)} items < minItems {s['minItems']}")
+        if "maxItems" in s and len(v) > s["maxItems"]:
+            errors.append(f"{path}: {len(v)} items > maxItems {s['maxItems']}")
+    if isinstance(v, str):
+        if "minLength" in s and len(v) < s["minLength"]:
+            errors.append(f"{path}: length {len(v)} < minLength {s['minLength']}")
+        if "maxLength" in s and len(v) > s["maxLength"]:
+            errors.append(f"{path}: length {len(v)} > maxLength {s['maxLength']}")
+        pat = s.get("pattern")
+        if isinstance(pat, str):
+            try:
+                if re.search(pat, v) is None:
+                    errors.append(f"{path}: does not match the pattern")
+            except re.error:
+                pass
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        for key, bad in (
+            ("minimum", lambda a, b: a < b),
+            ("maximum", lambda a, b: a > b),
+            ("exclusiveMinimum", lambda a, b: a <= b),
+            ("exclusiveMaximum", lambda a, b: a >= b),
+        ):
+            bound = s.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bad(v, bound):
+                errors.append(f"{path}: violates {key} {bound}")
+    for key in ("allOf", "anyOf", "oneOf"):
+        subs = s.get(key)
+        if not isinstance(subs, list):
+            continue
+        results = []
+        for sub in subs:
+            errs: list[str] = []
+            _validate(v, sub, path, errs, limit, root, depth + 1)
+            results.append(errs)
+        ok = sum(1 for e in results if not e)
+        if key == "allOf":
+            for e in results:
+                errors.extend(e)
+        elif key == "anyOf" and ok == 0:
+            errors.append(f"{path}: matches none of anyOf ({len(subs)})")
+        elif key == "oneOf" and ok != 1:
+            errors.append(f"{path}: matches {ok} of oneOf ({len(subs)}), expected exactly 1")

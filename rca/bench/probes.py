@@ -1,0 +1,307 @@
+"""`rca bench probes`: what the in-process torch probes cost a decoder step.
+
+One fixed shape, a Llama-style decoder (4 layers, hidden 256, 4 heads, vocab
+32,000; batch 4; a 128-token prompt, then 32 decode steps with a KV cache),
+random weights from a fixed seed (transformers' ``LlamaForCausalLM`` when it is
+installed, else the small decoder below), one thread. The modes alternate in one
+process, one decode step each in turn (ABCDE ABCDE ...), and each mode is
+compared with the model without any hook:
+
+* ``off``: no checker at all;
+* ``default``: :func:`probes.ops.instrument` with no arguments (logits row
+  min/max, input index bounds; every module hooked, tier off);
+* ``numerical``: NaN/inf/range on the output of every module;
+* ``full``: the ``full`` tier on every module (all outputs, bounded samples,
+  KV length and shape checks, allocator counters);
+* ``kv_fingerprint``: no operator checks; every step fingerprints every finished
+  16-token block of the KV cache and compares it with its reference.
+
+torch is imported inside the functions only (``import rca`` must stay light).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+__all__ = ["run_probe_bench", "MODES", "SHAPE"]
+
+MODES = ("off", "default", "numerical", "full", "kv_fingerprint")
+SHAPE = {
+    "layers": 4,
+    "hidden": 256,
+    "heads": 4,
+    "intermediate": 1024,
+    "vocab": 32000,
+    "batch": 4,
+    "prompt": 128,
+    "decode_steps": 32,
+    "kv_block": 16,
+}
+
+
+def _build_model(device: Any, seed: int) -> tuple[Any, str]:
+    import torch
+
+    torch.manual_seed(seed)
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            vocab_size=SHAPE["vocab"],
+            hidden_size=SHAPE["hidden"],
+            intermediate_size=SHAPE["intermediate"],
+            num_hidden_layers=SHAPE["layers"],
+            num_attention_heads=SHAPE["heads"],
+            num_key_value_heads=SHAPE["heads"],
+            max_position_embeddings=512,
+        )
+        model = LlamaForCausalLM(cfg)
+        kind = "transformers.LlamaForCausalLM"
+    except ImportError:
+        model = _small_llama(torch)
+        kind = "rca.bench.probes small decoder"
+    return model.to(device).eval(), kind
+
+
+def _small_llama(torch: Any) -> Any:
+    """A Llama-style decoder in plain torch (RMSNorm, RoPE, SwiGLU, a KV cache of
+    ``[(k, v), ...]`` tensors ``[batch, heads, seq, head_dim]``)."""
+    nn, F = torch.nn, torch.nn.functional
+    hidden, heads, inter = SHAPE["hidden"], SHAPE["heads"], SHAPE["intermediate"]
+    hd = hidden // heads
+
+    class RMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(hidden))
+
+        def forward(self, x: Any) -> Any:
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def rope(x: Any, pos: Any) -> Any:
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=x.device).float() / hd))
+        f = pos[..., None].float() * inv
+        cos, sin = f.cos()[:, None], f.sin()[:, None]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = nn.Linear(hidden, hidden, bias=False)
+            self.k_proj = nn.Linear(hidden, hidden, bias=False)
+            self.v_proj = nn.Linear(hidden, hidden, bias=False)
+            self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+        def forward(self, x: Any, pos: Any, kv: Any) -> tuple[Any, Any]:
+            b, t, _ = x.shape
+            q, k, v = (
+                p(x).view(b, t, heads, hd).transpose(1, 2)
+                for p in (self.q_proj, self.k_proj, self.v_proj)
+            )
+            q, k = rope(q, pos), rope(k, pos)
+            if kv is not None:
+                k, v = torch.cat((kv[0], k), 2), torch.cat((kv[1], v), 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=kv is None)
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, hidden)), (k, v)
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj = nn.Linear(hidden, inter, bias=False)
+            self.up_proj = nn.Linear(hidden, inter, bias=False)
+            self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.input_layernorm, self.post_attention_layernorm = RMSNorm(), RMSNorm()
+            self.self_attn, self.mlp = Attention(), MLP()
+
+        def forward(self, x: Any, pos: Any, kv: Any) -> tuple[Any, Any]:
+            a, kv = self.self_attn(self.input_layernorm(x), pos, kv)
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(SHAPE["vocab"], hidden)
+            self.layers = nn.ModuleList(Layer() for _ in range(SHAPE["layers"]))
+            self.norm = RMSNorm()
+            self.lm_head = nn.Linear(hidden, SHAPE["vocab"], bias=False)
+
+        def forward(self, input_ids: Any, position_ids: Any = None, cache: Any = None) -> Any:
+            past = cache[0][0].shape[2] if cache else 0
+            if position_ids is None:
+                position_ids = torch.arange(
+                    past, past + input_ids.shape[1], device=input_ids.device
+                )
+                position_ids = position_ids[None].expand(input_ids.shape[0], -1)
+            x = self.embed_tokens(input_ids)
+            new = []
+            for i, layer in enumerate(self.layers):
+                x, kv = layer(x, position_ids, cache[i] if cache else None)
+                new.append(kv)
+            return self.lm_head(self.norm(x[:, -1:])), new
+
+    return Decoder()
+
+
+def _twin(model: Any, kind: str, device: Any, seed: int) -> Any:
+    """Another module tree over the same parameter tensors (hooks are per module
+    object; the weights, and so the memory traffic, are shared)."""
+    import torch
+
+    if kind.startswith("transformers"):
+        from transformers import LlamaForCausalLM
+
+        twin = LlamaForCausalLM(model.config)
+    else:
+        twin = _small_llama(torch)
+    twin.load_state_dict(model.state_dict(), assign=True)
+    return twin.to(device).eval()
+
+
+class _Lane:
+    """One mode's generation, advanced one step at a time."""
+
+    def __init__(self, mode: str, model: Any, hf: bool, ids: Any, traces: list[str]) -> None:
+        from probes.kvcache import KVBlockChecker
+        from probes.ops import instrument
+        from probes.sink import MemorySink
+
+        self.mode, self.model, self.hf, self.ids, self.traces = mode, model, hf, ids, traces
+        self.sink = MemorySink()
+        self.checker = None
+        self.kv = None
+        if mode in ("default", "numerical", "full"):
+            self.checker = instrument(model, mode, sink=self.sink)
+        elif mode == "kv_fingerprint":
+            self.kv = KVBlockChecker(self.sink)
+        self.cache: Any = None
+        if hf:
+            from transformers.cache_utils import DynamicCache
+
+            self.cache = DynamicCache(config=model.config)
+        self.times: list[float] = []
+
+    def step(self, sync: Any) -> None:
+        t0 = time.perf_counter()
+        ck = self.checker
+        if ck is not None:
+            ck.begin_step(self.traces)
+        if self.hf:
+            out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits
+        else:
+            logits, self.cache = self.model(self.ids, cache=self.cache)
+        self.ids = logits[:, -1].argmax(-1, keepdim=True)
+        if ck is not None:
+            ck.end_step()
+        if self.kv is not None:
+            self.kv.step_sequences(self.cache, self.traces, block_size=SHAPE["kv_block"])
+        sync()
+        self.times.append(time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self.checker is not None:
+            self.checker.detach()
+        if self.sink.records:
+            raise RuntimeError(f"mode {self.mode}: a healthy model gave {self.sink.codes()[:5]}")
+
+
+def run_probe_bench(
+    *, device: str = "cpu", reps: int = 9, warmup: int = 1, seed: int = 0, threads: int = 1
+) -> dict[str, Any]:
+    """Time each mode ``reps`` times; return medians and ratios vs ``off``.
+
+    The modes run in lockstep, one step each in turn (ABCDE ABCDE ..., the
+    starting mode rotating every step), each on its own module tree over the
+    same weights, so a noisy moment of the machine hits them all alike. A ratio
+    is the median over repetitions of (mode total / ``off`` total) in the same
+    repetition. Returns ``{"ratio_default", "ratio_numerical", "ratio_full",
+    "ratio_kv_fingerprint", "ms": {mode: {"total", "prefill", "decode_step"}},
+    "ratio_prefill", "ratio_decode", "shape", "model", "device", ...}``.
+    """
+    import torch
+
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    try:
+        base, kind = _build_model(device, seed)
+        hf = kind.startswith("transformers")
+        models = {m: base if m == "off" else _twin(base, kind, device, seed) for m in MODES}
+        g = torch.Generator().manual_seed(seed + 1)
+        shape = (SHAPE["batch"], SHAPE["prompt"])
+        ids = torch.randint(0, SHAPE["vocab"], shape, generator=g).to(dev)
+        traces = [f"{seed:08x}{i:024x}" for i in range(SHAPE["batch"])]
+        runs: list[dict[str, list[float]]] = []
+        with torch.inference_mode():
+            for rep in range(warmup + reps):
+                lanes = [_Lane(m, models[m], hf, ids, traces) for m in MODES]
+                try:
+                    for step in range(SHAPE["decode_steps"] + 1):
+                        k = (step + rep) % len(lanes)
+                        for lane in lanes[k:] + lanes[:k]:
+                            lane.step(sync)
+                finally:
+                    for lane in lanes:
+                        lane.close()
+                if rep >= warmup:
+                    runs.append({lane.mode: lane.times for lane in lanes})
+    finally:
+        torch.set_num_threads(old_threads)
+
+    def per_rep(mode: str, part: str) -> list[float]:
+        pick = {"total": slice(None), "prefill": slice(0, 1), "decode": slice(1, None)}[part]
+        return [sum(r[mode][pick]) * 1e3 for r in runs]
+
+    def ratio(mode: str, part: str) -> float:
+        a, b = per_rep(mode, part), per_rep("off", part)
+        return round(statistics.median(x / y for x, y in zip(a, b, strict=True)), 4)
+
+    steps = SHAPE["decode_steps"]
+    ms = {
+        m: {
+            "total": round(statistics.median(per_rep(m, "total")), 3),
+            "prefill": round(statistics.median(per_rep(m, "prefill")), 3),
+            "decode_step": round(statistics.median(per_rep(m, "decode")) / steps, 4),
+        }
+        for m in MODES
+    }
+    out: dict[str, Any] = {f"ratio_{m}": ratio(m, "total") for m in MODES if m != "off"}
+    out["ratio_prefill"] = {m: ratio(m, "prefill") for m in MODES if m != "off"}
+    out["ratio_decode"] = {m: ratio(m, "decode") for m in MODES if m != "off"}
+    out["ms"] = ms
+    off = per_rep("off", "total")
+    out["off_total_ms_range"] = [round(min(off), 3), round(max(off), 3)]
+    out.update(
+        shape=dict(SHAPE),
+        model=kind,
+        device=str(device),
+        reps=reps,
+        threads=threads,
+        torch=torch.__version__,
+        targets={"default": 1.02, "numerical": 1.05, "full": 1.10, "kv_fingerprint": 1.05},
+    )
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import json
+    import sys
+
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    print(json.dumps(run_probe_bench(device=dev), indent=2))

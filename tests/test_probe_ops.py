@@ -1,0 +1,503 @@
+"""Operator checks (probes.ops): injected faults come back as the right code, on
+the right module, with the trace id of the batch row that carried them."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import zlib
+from collections import Counter
+from contextlib import contextmanager, suppress
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from ingest import schema as S  # noqa: E402
+from probes.ops import (  # noqa: E402
+    Checker,
+    RequestOutput,
+    checker_status_handler,
+    instrument,
+    set_tiers,
+    validate_json_schema,
+)
+from probes.sink import MemorySink  # noqa: E402
+
+TRACES = [f"{i:02x}" * 16 for i in range(1, 5)]
+VOCAB = 96
+
+
+def llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+class TinyLM(nn.Module):
+    """A hand-written model: embedding, two blocks, a head (no transformers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.LayerNorm(16)) for _ in range(2)
+        )
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def ids(rows=4, t=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (rows, t), generator=g)
+
+
+@contextmanager
+def poisoned(param, value=math.inf):
+    """A weight entry set to ``value`` for the duration of the block."""
+    with torch.no_grad():
+        old = param.view(-1)[0].item()
+        param.view(-1)[0] = value
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            param.view(-1)[0] = old
+
+
+def run(checker, model, traces=TRACES, **kw):
+    checker.begin_step(traces)
+    # on CPU an out-of-range index raises; on CUDA it would be a device assert
+    with torch.inference_mode(), suppress(IndexError, RuntimeError):
+        model(**kw)
+    return checker.end_step()
+
+
+def by_code(records):
+    out = {}
+    for r in records:
+        out.setdefault(r.code, []).append(r)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# numerical
+# ---------------------------------------------------------------------------
+def test_inf_weight_reports_activation_inf_at_the_module_with_each_rows_trace():
+    model, sink = llama(), MemorySink()
+    ck = instrument(model, "numerical", sink=sink)
+    with poisoned(model.model.layers[1].mlp.down_proj.weight):
+        recs = run(ck, model, input_ids=ids())
+    got = by_code(recs)
+    assert set(got) == {"ACTIVATION_INF", "LOGITS_NAN"}
+    act = got["ACTIVATION_INF"]
+    assert [r.trace_id for r in act] == TRACES
+    assert {r.attrs["module"] for r in act} == {"model.layers.1.mlp.down_proj"}
+    assert all(r.attrs["row"] == i for i, r in enumerate(act))
+    assert act[0].attrs["downstream"]["count"] >= 2  # layer, norm, lm_head followed it
+    assert {r.attrs["module"] for r in got["LOGITS_NAN"]} == {"lm_head"}
+    assert sink.codes() == [r.code for r in recs]
+    assert all(r.source == "probe:ops" and r.layer == 6 for r in recs)
+
+
+def test_default_tier_sees_the_logits_only():
+    model, sink = llama(), MemorySink()
+    ck = instrument(model, sink=sink)
+    assert ck.status()["active"] == {"lm_head": "numerical"}
+    hooked = [n for n, m in model.named_modules() if m._forward_hooks]
+    assert hooked == ["lm_head"]  # production hooks only what it checks
+    assert run(ck, model, input_ids=ids()) == []
+    with poisoned(model.model.layers[0].self_attn.o_proj.weight, math.nan):
+        recs = run(ck, model, input_ids=ids())
+    assert {r.code for r in recs} == {"LOGITS_NAN"}
+    assert [r.trace_id for r in recs] == TRACES
+    assert recs[0].attrs["kind"] == "nan" and recs[0].attrs["module"] == "lm_head"
+
+
+def test_fault_in_one_row_names_only_that_rows_trace():
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, "numerical", sink=sink)
+    x = ids() % (VOCAB - 1)
+    x[2, 3] = VOCAB - 1  # a token only row 2 has
+    with torch.no_grad():
+        model.embed.weight[VOCAB - 1] = math.inf
+    recs = run(ck, model, input_ids=x)
+    first = [r for r in recs if r.code == "ACTIVATION_INF"]
+    assert [r.trace_id for r in first] == [TRACES[2]]
+    assert first[0].attrs["module"] == "embed"
+
+
+def test_value_range_violation_is_reported_with_the_bounds():
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, "numerical", sink=sink, value_limits={"blocks.0.0": (-1e-3, 1e-3)})
+    recs = run(ck, model, input_ids=ids())
+    assert {r.attrs["module"] for r in recs} == {"blocks.0.0"}
+    assert recs[0].attrs["kind"] == "range" and recs[0].attrs["range"] == [-0.001, 0.001]
+    assert recs[0].confidence == 0.5
+
+
+# ---------------------------------------------------------------------------
+# memory: index bounds
+# ---------------------------------------------------------------------------
+def test_out_of_vocab_token_id():
+    model, sink = llama(), MemorySink()
+    ck = instrument(model, sink=sink)
+    x = ids()
+    x[1, 4] = VOCAB + 7
+    recs = run(ck, model, input_ids=x)
+    assert [(r.code, r.trace_id) for r in recs] == [("TOKEN_ID_OUT_OF_VOCAB", TRACES[1])]
+    a = recs[0].attrs
+    assert a["max"] == VOCAB + 7 and a["hi_exclusive"] == VOCAB and a["row"] == 1
+
+
+def test_out_of_vocab_on_a_hand_written_model():
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, sink=sink)
+    x = ids()
+    x[3, 0] = -1
+    recs = run(ck, model, input_ids=x)
+    assert [(r.code, r.trace_id) for r in recs] == [("TOKEN_ID_OUT_OF_VOCAB", TRACES[3])]
+
+
+def test_position_past_the_cache_length():
+    from transformers.cache_utils import DynamicCache
+
+    model, sink = llama(), MemorySink()
+    ck = instrument(model, sink=sink)
+    cache = DynamicCache(config=model.config)
+    assert run(ck, model, input_ids=ids(t=8), cache=cache, use_cache=True) == []
+    pos = torch.tensor([[8], [8], [8 + 5], [8]])
+    nxt = ids(t=1, seed=2)
+    recs = run(ck, model, input_ids=nxt, cache=cache, use_cache=True, position_ids=pos)
+    assert [(r.code, r.trace_id) for r in recs] == [("POSITION_OUT_OF_RANGE", TRACES[2])]
+    assert recs[0].attrs["hi_exclusive"] == 9 and recs[0].attrs["cache_len"] == 9
+
+
+def test_kv_length_vs_positions_is_a_full_tier_state_check():
+    from transformers.cache_utils import DynamicCache
+
+    model, sink = llama(), MemorySink()
+    ck = instrument(model, "full", sink=sink)
+    cache = DynamicCache(config=model.config)
+    assert run(ck, model, input_ids=ids(t=8), cache=cache, use_cache=True) == []
+    pos = torch.tensor([[8], [3], [8], [8]])  # row 1 repeats an old position
+    recs = run(ck, model, input_ids=ids(t=1), cache=cache, use_cache=True, position_ids=pos)
+    assert [(r.code, r.trace_id) for r in recs] == [("KV_LENGTH_POSITION_MISMATCH", TRACES[1])]
+
+
+def test_block_table_and_cu_seqlens_bounds():
+    sink = MemorySink()
+    ck = Checker(sink)
+    ck.begin_step(TRACES[:3])
+    table = torch.tensor([[0, 5, 9], [3, 4, 0], [7, 70, 0]])
+    ck.check_block_table(table, num_blocks=64, blocks_used=torch.tensor([3, 2, 2]))
+    ck.check_cu_seqlens(torch.tensor([0, 4, 3, 9]), num_tokens=9)  # row 1 goes backwards
+    recs = ck.end_step()
+    assert sorted((r.attrs["check"], r.trace_id) for r in recs) == [
+        ("block_table", TRACES[2]),
+        ("cu_seqlens", TRACES[1]),
+    ]
+    assert all(r.code == "CUDA_ERROR_ILLEGAL_ADDRESS" for r in recs)
+
+
+# ---------------------------------------------------------------------------
+# semantic
+# ---------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_semantic_rules_report_schema_and_finish_reason_violations():
+    sink = MemorySink()
+    ck = Checker(sink)
+    ok = RequestOutput(
+        trace_id=TRACES[0],
+        finish_reason="tool_calls",
+        tools=[WEATHER],
+        tool_calls=[{"function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}],
+    )
+    assert ck.end_request(ok) == []
+    bad = RequestOutput(
+        trace_id=TRACES[1],
+        request_id="cmpl-9",
+        finish_reason="abort",
+        tools=[WEATHER],
+        tool_calls=[
+            {"function": {"name": "get_weather", "arguments": '{"city": 42, "days": 0}'}},
+            {"function": {"name": "get_weather", "arguments": '{"city": "Oslo"'}},
+        ],
+    )
+    recs = ck.end_request(bad)
+    assert sorted(r.code for r in recs) == [
+        "INVALID_FINISH_REASON",
+        "OUTPUT_SCHEMA_VIOLATION",
+        "OUTPUT_SCHEMA_VIOLATION",
+    ]
+    assert {r.trace_id for r in recs} == {TRACES[1]} and {r.request_id for r in recs} == {"cmpl-9"}
+    schema = [r for r in recs if r.code == "OUTPUT_SCHEMA_VIOLATION"]
+    assert schema[0].attrs["violations"] == [
+        "$.city: expected string, got integer",
+        "$.days: violates minimum 1",
+    ]
+    assert schema[1].attrs["error"] == "parse"
+    assert "Oslo" not in json.dumps([r.to_row() for r in recs])  # no content, ever
+
+
+def test_json_response_format_and_empty_completion():
+    ck = Checker(MemorySink())
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"type": "array", "maxItems": 1}}}
+    out = RequestOutput(
+        trace_id=TRACES[2], text="[1, 2]", response_format=fmt, finish_reason="stop"
+    )
+    assert [r.code for r in ck.end_request(out)] == ["OUTPUT_SCHEMA_VIOLATION"]
+    empty = RequestOutput(trace_id=TRACES[2], text="  \n", finish_reason="stop")
+    assert [r.code for r in ck.end_request(empty)] == ["EMPTY_COMPLETION"]
+
+
+def test_schema_validator_subset():
+    schema = {
+        "$defs": {"pos": {"type": "integer", "exclusiveMinimum": 0}},
+        "type": "object",
+        "properties": {
+            "n": {"$ref": "#/$defs/pos"},
+            "tag": {"enum": ["a", "b"]},
+            "xs": {"type": "array", "items": {"type": "number"}},
+        },
+        "anyOf": [{"required": ["n"]}, {"required": ["tag"]}],
+    }
+    assert validate_json_schema({"n": 3, "xs": [1, 2.5]}, schema) == []
+    assert validate_json_schema({"n": 0, "tag": "c", "xs": ["x"]}, schema) == [
+        "$.n: violates exclusiveMinimum 0",
+        "$.tag: not one of the 2 allowed values",
+        "$.xs[0]: expected number, got string",
+    ]
+    assert validate_json_schema({}, schema) == ["$: matches none of anyOf (2)"]
+
+
+# ---------------------------------------------------------------------------
+# cost rules: no host read per op, sampling, tiers
+# ---------------------------------------------------------------------------
+SYNCS = ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__")
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    counts: Counter[str] = Counter()
+    for name in SYNCS:
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            counts[_name] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("make", [llama, lambda: TinyLM().eval()], ids=["llama", "tiny"])
+def test_no_host_read_during_the_forward_pass(make, sync_counter):
+    model = make()
+    x = ids()
+    with torch.inference_mode():
+        model(input_ids=x)
+        sync_counter.clear()
+        model(input_ids=x)
+    baseline = sum(sync_counter.values())  # what the model itself reads, if anything
+    ck = instrument(model, "full", sink=MemorySink(), snapshot=True)
+    ck.begin_step(TRACES)
+    sync_counter.clear()
+    with torch.inference_mode():
+        model(input_ids=x)
+    assert sum(sync_counter.values()) == baseline  # every check only launched kernels
+    ck.end_step()  # the one read of the step happens here
+
+
+def test_sampling_one_in_n_checks_only_the_sampled_requests():
+    model, sink = TinyLM().eval(), MemorySink()
+    traces = [f"{i:032x}" for i in range(16)]
+    ck = instrument(model, "numerical", sink=sink, sample_every=4)
+    expected = [t for t in traces if zlib.crc32(t.encode()) % 4 == 0]
+    assert 0 < len(expected) < len(traces)
+    with poisoned(model.head.bias):
+        recs = run(ck, model, traces, input_ids=ids(rows=16))
+        assert sorted({r.trace_id for r in recs}) == sorted(expected)
+        unsampled = [t for t in traces if t not in expected][:4]
+        ck.begin_step(unsampled)
+        with torch.inference_mode():
+            model(input_ids=ids(rows=4))
+        assert ck._order == [] and ck._iorder == []  # nothing was even computed
+        assert ck.end_step() == []
+
+
+def test_tier_switch_at_run_time_without_reinstrumenting():
+    model, sink = llama(), MemorySink()
+    ck = instrument(model, sink=sink)
+    handler = checker_status_handler(ck)
+    with poisoned(model.model.layers[0].mlp.up_proj.weight):
+        assert {r.code for r in run(ck, model, input_ids=ids())} == {"LOGITS_NAN"}
+        set_tiers(model, "numerical")  # by model: finds the checker
+        recs = run(ck, model, input_ids=ids())
+        assert {r.attrs["module"] for r in recs if r.code == "ACTIVATION_INF"} == {
+            "model.layers.0.mlp.up_proj"
+        }
+        status, body = handler("POST", json.dumps({"tiers": "off"}))
+        assert status == 200 and body["sites"]["numerical"] == 0 and body["bounds"] is False
+        assert run(ck, model, input_ids=ids()) == []
+        status, body = handler("POST", b'{"tiers": {"preset": "default", "lm_head": "full"}}')
+        assert status == 200 and body["active"] == {"lm_head": "full"}
+        recs = run(ck, model, input_ids=ids())
+        assert {r.attrs["tier"] for r in recs} == {"full"} and "sample" in recs[0].attrs
+    status, body = handler("GET")
+    assert status == 200 and body["failures"]["LOGITS_NAN"] >= 3 * len(TRACES)
+    assert handler("POST", '{"tiers": "loud"}')[0] == 400
+    assert handler("POST", '{"verbose": 1}')[0] == 400
+    assert handler("DELETE")[0] == 405
+
+
+def test_tier_switch_with_all_modules_hooked_keeps_the_hooks():
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, sink=sink, modules="all")
+    hooks = {n: len(m._forward_hooks) for n, m in model.named_modules()}
+    with poisoned(model.blocks[0][0].weight):
+        assert {r.attrs["module"] for r in run(ck, model, input_ids=ids())} == {"head"}
+        ck.set_tiers("numerical")
+        assert {n: len(m._forward_hooks) for n, m in model.named_modules()} == hooks
+        recs = run(ck, model, input_ids=ids())
+    assert {r.attrs["module"] for r in recs if r.code == "ACTIVATION_INF"} == {"blocks.0.0"}
+
+
+# ---------------------------------------------------------------------------
+# records, recoverability, robustness
+# ---------------------------------------------------------------------------
+def test_rerun_tells_persistent_from_transient_faults():
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, "numerical", sink=sink)
+    x = ids()
+
+    def forward():
+        with torch.inference_mode():
+            model(input_ids=x)
+
+    with poisoned(model.blocks[1][0].weight):
+        ck.begin_step(TRACES)
+        forward()
+        recs = ck.end_step(rerun=forward)
+    first = [r for r in recs if r.attrs["module"] == "blocks.1.0"]
+    assert first and all(r.recoverability == "state_pollution" for r in first)
+    assert first[0].attrs["rerun"] == {"reproduced": True}
+
+    calls = []
+
+    def flaky(module, args, out):  # a one-off bit flip: NaN on the first call only
+        calls.append(1)
+        return torch.full_like(out, math.nan) if len(calls) == 1 else out
+
+    handle = model.blocks[0][2].register_forward_hook(flaky, prepend=True)
+    try:
+        ck.begin_step(TRACES)
+        forward()
+        recs = ck.end_step(rerun=forward)
+    finally:
+        handle.remove()
+    first = [r for r in recs if r.attrs["module"] == "blocks.0.2"]
+    assert first and all(r.recoverability == "transient" for r in first)
+
+
+def test_records_carry_bounded_stats_and_opt_in_snapshot_and_store_as_json():
+    model = TinyLM().eval()
+    for snapshot in (False, True):
+        sink = MemorySink()
+        ck = instrument(
+            model, "full", sink=sink, stats_sample=8, snapshot=snapshot, snapshot_elems=4
+        )
+        with poisoned(model.blocks[0][0].bias):
+            recs = run(ck, model, input_ids=ids())
+        ck.detach()
+        first = next(r for r in recs if r.attrs["module"] == "blocks.0.0")
+        assert first.attrs["sample"]["n"] == 8 and first.attrs["sample"]["nonfinite"] >= 1
+        assert ("snapshot" in first.attrs) is snapshot
+        if snapshot:
+            assert len(first.attrs["snapshot"]["values"]) == 4
+        for rec in recs:
+            row = rec.to_row()
+            json.loads(row["attrs"], parse_constant=pytest.fail)  # no NaN/Infinity tokens
+            assert S.ErrorContext.from_row(row).attrs == rec.attrs
+
+
+def test_logging_is_rate_limited_per_code(caplog):
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, sink=sink)
+    with poisoned(model.head.weight), caplog.at_level("WARNING", logger="rca.probes.ops"):
+        run(ck, model, input_ids=ids())
+        run(ck, model, input_ids=ids())
+    assert len(sink.records) == 2 * len(TRACES)  # every record reaches the sink
+    assert sum("LOGITS_NAN" in m for m in caplog.messages) == 1
+    assert ck.log.suppressed["LOGITS_NAN"] == 2 * len(TRACES) - 1
+
+
+def test_a_failing_sink_or_check_never_raises_into_the_model():
+    class Broken:
+        def emit(self, record):
+            raise OSError("disk full")
+
+    model = TinyLM().eval()
+    ck = instrument(model, "full", sink=Broken())
+    ck.check("weird", torch.ones(2, 3, dtype=torch.complex64))  # not a float tensor: ignored
+    with poisoned(model.head.weight):
+        recs = run(ck, model, input_ids=ids())
+    assert recs and ck.errors >= 1
+
+
+def test_decorator_and_explicit_checks():
+    sink = MemorySink()
+    ck = Checker(sink)
+
+    @ck.op("sampler.logits")
+    def scale(x):
+        return x * 2
+
+    ck.begin_step(TRACES[:2])
+    scale(torch.tensor([[1.0, 2.0], [math.inf, 0.0]]))
+    ck.check_probs(torch.tensor([[0.5, 0.5], [1.5, -0.5]]))
+    recs = ck.end_step()
+    assert sorted((r.code, r.trace_id) for r in recs) == [
+        ("ACTIVATION_INF", TRACES[1]),
+        ("SAMPLER_PROB_INF_NAN", TRACES[1]),
+    ]
+
+
+def test_importing_probes_and_rca_does_not_import_torch():
+    code = (
+        "import sys, probes, probes.sink, rca, rca.bench, rca.bench.probes\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -139,3 +139,11 @@ def root_status_counts(con: duckdb.DuckDBPyConnection, trace_ids: list[str]) -> 
         [trace_ids, trace_ids],
     ).fetchall()
     return {int(s): int(n) for s, n in rows}
+
+
+def fetch_event(con: duckdb.DuckDBPyConnection, event_id: str) -> dict[str, Any] | None:
+    """One record by event id (a scan of the id column: for occasional lookups)."""
+    rows = _dicts(
+        con.execute(f"SELECT {_EC_COLS} FROM error_context WHERE event_id = ? LIMIT 1", [event_id])
+    )
+    return rows[0] if rows else None

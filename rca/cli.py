@@ -260,6 +260,19 @@ def collect(
     raise typer.Exit(code)
 
 
+@app.command()
+def repro(
+    event_id: Annotated[str, typer.Argument(help="The failed check's event id.")],
+    db: DbOpt = None,
+    out: Annotated[Path | None, typer.Option(help="Script path (default repro_<id>.py).")] = None,
+) -> None:
+    """Write a standalone script that rebuilds a failed op check's input and re-runs it."""
+    from rca.repro import write_repro
+
+    path = write_repro(event_id, db=db, out=out)
+    typer.echo(f"wrote {path}: run it with `python {path}` (exit 1 = the failure reproduces)")
+
+
 @probe_app.command("nvml")
 def probe_nvml(
     once: Annotated[

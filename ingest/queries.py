@@ -147,3 +147,19 @@ def fetch_event(con: duckdb.DuckDBPyConnection, event_id: str) -> dict[str, Any]
         con.execute(f"SELECT {_EC_COLS} FROM error_context WHERE event_id = ? LIMIT 1", [event_id])
     )
     return rows[0] if rows else None
+
+
+def fetch_sm_errors(
+    con: duckdb.DuckDBPyConnection, *, gpus: list[str], t_start: int, t_end: int
+) -> list[dict[str, Any]]:
+    """(code, sm_error JSON) of the Xid 13/31 records on these GPUs in the window."""
+    if not gpus:
+        return []
+    return _dicts(
+        con.execute(
+            "SELECT code, sm_error FROM error_context WHERE ts BETWEEN ? AND ?"
+            " AND list_contains(?::VARCHAR[], gpu_uuid) AND xid IN (13, 31)"
+            " AND sm_error IS NOT NULL LIMIT 1000",
+            [t_start, t_end, gpus],
+        )
+    )

@@ -18,8 +18,7 @@ from graph.topology import default_topology
 from ingest.classify import Normalizer
 from ingest.pipeline import ingest_paths
 from ingest.store import Store
-from ingest.xid import sm_fault_verdict
-from rca.engine import Diagnosis, Evidence, Scope, rank_root_causes
+from rca.engine import Diagnosis, Evidence, Scope, rank_root_causes, sm_rule_edges
 
 __all__ = ["diagnose_paths", "traceback_edges"]
 
@@ -41,38 +40,6 @@ def traceback_edges(records: list[Any]) -> list[tuple[str, str, float]]:
                 if cause != effect:
                     edges.append((cause, effect, TRACEBACK_STRENGTH))
     return edges
-
-
-def sm_rule_edges(
-    records: list[Any], catalog: Any
-) -> tuple[list[tuple[str, str, float]], list[tuple[str, str]], str]:
-    """NVIDIA's reading of Xid 13/31 SM faults, as edges for the ranking.
-
-    Faults scattered across SMs point at the application: its own illegal
-    access error (if seen) becomes the cause of the Xid lines, not their
-    effect. The same SM faulting again and again points at the hardware: the
-    Xid stays the root. Returns (edges to add, edges to drop, note).
-    """
-    sm = [r.sm_error for r in records if r.xid in (13, 31) and r.sm_error]
-    if not sm:
-        return [], [], ""
-    verdict = sm_fault_verdict(sm)
-    note = f"Xid 13/31 SM faults: {verdict['verdict']} ({verdict['why']})"
-    if verdict["verdict"] != "application":
-        return [], [], note
-    xids = {r.code for r in records if r.xid in (13, 31)}
-    apps = {
-        r.code
-        for r in records
-        if catalog.get(r.code)
-        and catalog[r.code].family == "illegal_memory_access"
-        and r.code not in xids
-    }
-    return (
-        [(a, x, 0.9) for a in apps for x in xids],
-        [(x, a) for a in apps for x in xids],
-        note,
-    )
 
 
 def diagnose_paths(
@@ -106,7 +73,12 @@ def diagnose_paths(
         for r in records
     ]
     extra, notes = traceback_edges(records), []
-    sm_edges, sm_drop, sm_note = sm_rule_edges(records, catalog)
+    sm_edges, sm_drop, sm_note = sm_rule_edges(
+        [r.sm_error for r in records if r.xid in (13, 31) and r.sm_error],
+        {r.code for r in records if r.xid in (13, 31)},
+        {r.code for r in records},
+        catalog,
+    )
     extra += sm_edges
     if sm_note:
         notes.append(sm_note)

@@ -20,6 +20,7 @@ import networkx as nx
 
 from graph.catalog import SEVERITY_RANK, Catalog, Severity
 from graph.topology import COST, STRENGTH, ancestors, best_chain, chain_cost, descendants
+from ingest.xid import sm_fault_verdict
 
 __all__ = [
     "Evidence",
@@ -31,6 +32,7 @@ __all__ = [
     "evidence_from_rows",
     "evidence_from_groups",
     "symptom_from_spans",
+    "sm_rule_edges",
 ]
 
 
@@ -326,3 +328,31 @@ def rank_root_causes(
 
 def weights_dict(w: Weights) -> dict[str, float]:
     return asdict(w)
+
+
+def sm_rule_edges(
+    sm_errors: list[dict[str, Any]], xid_codes: set[str], observed: set[str], catalog: Any
+) -> tuple[list[tuple[str, str, float]], list[tuple[str, str]], str]:
+    """NVIDIA's reading of Xid 13/31 SM faults, as edges for the ranking.
+
+    Faults scattered across SMs point at the application: its own illegal
+    access error (if seen) becomes the cause of the Xid lines, not their
+    effect. The same SM faulting again and again points at the hardware: the
+    Xid stays the root. Returns (edges to add, edges to drop, note).
+    """
+    if not sm_errors:
+        return [], [], ""
+    verdict = sm_fault_verdict(sm_errors)
+    note = f"Xid 13/31 SM faults: {verdict['verdict']} ({verdict['why']})"
+    if verdict["verdict"] != "application":
+        return [], [], note
+    apps = {
+        c
+        for c in observed - xid_codes
+        if catalog.get(c) and catalog[c].family == "illegal_memory_access"
+    }
+    return (
+        [(a, x, 0.9) for a in apps for x in xid_codes],
+        [(x, a) for a in apps for x in xid_codes],
+        note,
+    )

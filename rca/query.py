@@ -20,6 +20,7 @@ from rca.engine import (
     evidence_from_groups,
     evidence_from_rows,
     rank_root_causes,
+    sm_rule_edges,
 )
 from rca.engine import symptom_from_spans as _symptom_from_spans
 
@@ -102,8 +103,15 @@ def diagnose_trace(
             gpus=gpus,
             request_ids=req_ids,
         )
+        sm_rows = queries.fetch_sm_errors(con, gpus=gpus, t_start=t_start, t_end=t_end)
         evidence = evidence_from_rows(rows.records, Scope.TRACE)
         evidence += evidence_from_groups(context)
+        sm_add, sm_drop, sm_note = sm_rule_edges(
+            [json.loads(r["sm_error"]) for r in sm_rows],
+            {r["code"] for r in sm_rows},
+            {e.code for e in evidence},
+            catalog,
+        )
         symptom, causes = rank_root_causes(
             default_topology(),
             evidence,
@@ -112,6 +120,8 @@ def diagnose_trace(
             symptom_ts=t_sym,
             weights=weights,
             top=top,
+            extra_edges=sm_add,
+            drop_edges=sm_drop,
         )
     used = {e for c in causes[:1] for e in c.evidence}
     shown = [r for r in rows.records if r["event_id"] in used]
@@ -123,4 +133,5 @@ def diagnose_trace(
         window=(t_start, t_end),
         evidence_rows=sum(e.count for e in evidence),
         evidence=shown,
+        notes=[sm_note] if sm_note else [],
     )

@@ -237,3 +237,64 @@ def test_bench_ingest_small_run_prints_the_figures() -> None:
     assert out["ratio_vs_drain3"] == round(
         out["normalize_lines_per_s"] / out["drain3_lines_per_s"], 1
     )
+
+
+@pytest.mark.parametrize(
+    ("sms", "root"),
+    [
+        ([(3, 1, 0)] * 3, "GPU_XID_13"),
+        ([(3, 1, 0), (5, 0, 1), (1, 2, 0)], "CUDA_ERROR_ILLEGAL_ADDRESS"),
+    ],
+)
+def test_query_applies_nvidias_sm_rule(tmp_path: Path, sms, root) -> None:
+    from graph.catalog import load_catalog
+    from ingest import schema as S
+    from ingest.store import Store
+
+    cat = load_catalog()
+    db = tmp_path / "sm.duckdb"
+    tid, gpu, t0 = "ef" * 16, "GPU-77a0be41-05c2-4c1d-8f7e-2b9d6a1c3e44", 1_795_000_000 * 10**9
+    recs = [
+        S.ErrorContext.from_catalog(
+            cat["GPU_XID_13"],
+            source="log:kern.log",
+            ts=t0 + i,
+            host="n1",
+            gpu_uuid=gpu,
+            xid=13,
+            sm_error={"kind": "sm_exception", "gpc": g, "tpc": t, "sm": m, "exception": "x"},
+        )
+        for i, (g, t, m) in enumerate(sms)
+    ]
+    recs.append(
+        S.ErrorContext.from_catalog(
+            cat["CUDA_ERROR_ILLEGAL_ADDRESS"],
+            source="probe:ops",
+            ts=t0 + 10**8,
+            host="n1",
+            gpu_uuid=gpu,
+            trace_id=tid,
+        )
+    )
+    store = Store(db)
+    store.insert_records(recs)
+    store.insert_spans(
+        [
+            S.Span(
+                trace_id=tid,
+                span_id="12" * 8,
+                name="POST /v1/completions",
+                kind="SERVER",
+                start_ns=t0 - 10**9,
+                end_ns=t0 + 2 * 10**8,
+                status_code="ERROR",
+                http_status=500,
+                host="n1",
+            )
+        ]
+    )
+    from rca.query import diagnose_trace
+
+    diag = diagnose_trace(tid, db=db)
+    assert diag.causes[0].code == root
+    assert diag.notes and diag.notes[0].startswith("Xid 13/31 SM faults")

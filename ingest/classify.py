@@ -25,7 +25,6 @@ import numpy as np
 import polars as pl
 
 from graph.catalog import Catalog, Code, default_catalog
-from ingest.normalize import redact
 
 __all__ = [
     "Batch",
@@ -379,7 +378,3 @@ class Normalizer:
 @cache
 def default_normalizer() -> Normalizer:
     return Normalizer(default_catalog())
-
-
-def redact_all(lines: Sequence[str]) -> list[str]:
-    return [redact(x) for x in lines]

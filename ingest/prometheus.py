@@ -306,16 +306,7 @@ def parse_exposition(
     eof_seen = False
 
     def q(n: int, reason: str, raw: str | bytes) -> None:
-        quarantine.append(
-            {
-                "quarantine_id": S.new_event_id(now),
-                "ts": now,
-                "source": source,
-                "origin": f"line {n}",
-                "reason": reason,
-                "raw": _raw_text(raw),
-            }
-        )
+        quarantine.append(S.quarantine_row(source, f"line {n}", reason, _raw_text(raw)))
 
     n = 0
     for raw in _iter_lines(data):

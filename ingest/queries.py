@@ -13,7 +13,6 @@ __all__ = [
     "TraceRows",
     "fetch_trace",
     "fetch_context",
-    "fetch_events",
     "recent_traces",
     "root_status_counts",
 ]
@@ -96,21 +95,6 @@ def fetch_context(
                 "tid": trace_id or "",
                 "k": ids_per_group,
             },
-        )
-    )
-
-
-def fetch_events(
-    con: duckdb.DuckDBPyConnection, event_ids: list[str], *, t_start: int, t_end: int
-) -> list[dict[str, Any]]:
-    """Whole rows for the given event ids, all within [t_start, t_end]."""
-    if not event_ids:
-        return []
-    return _dicts(
-        con.execute(
-            f"SELECT {_EC_COLS} FROM error_context WHERE ts BETWEEN ? AND ?"
-            " AND list_contains(?::VARCHAR[], event_id) ORDER BY ts",
-            [t_start, t_end, event_ids],
         )
     )
 

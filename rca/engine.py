@@ -13,7 +13,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -324,10 +324,6 @@ def rank_root_causes(
             )
         )
     return symptom, causes
-
-
-def weights_dict(w: Weights) -> dict[str, float]:
-    return asdict(w)
 
 
 def sm_rule_edges(

@@ -168,6 +168,16 @@ class FakeNvml:
             self._events.append(ev)
             self._cond.notify_all()
 
+    def set_value(self, device: int, key: Any, value: Any) -> None:
+        """Script one reading from now on (thread-safe enough for a poller that
+        reads between steps): ``key`` is a function name or ``(name, *args)``;
+        a list value restarts its per-call sequence."""
+        dev = self._devices[device]
+        dev.values[key] = value
+        name = key[0] if isinstance(key, tuple) else key
+        for k in [k for k in self._per_args if k[0] == name and k[1] == device]:
+            del self._per_args[k]
+
     def device_calls(self, index: int) -> int:
         """How many device calls were made on device ``index``."""
         return sum(n for (_, d), n in self.calls.items() if d == index)

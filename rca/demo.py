@@ -1,14 +1,23 @@
-"""`rca demo`: load the bundled example incident into the store and answer it.
+"""`rca demo`: the fault-injection lab end to end, or a bundled example.
 
-The example is realistic text (a kernel log with Xid lines, a vLLM server log
-with a chained traceback, OTLP/JSON traces as a Collector file exporter writes
-them) plus the records our probes would have emitted, which go through the
-real spool. Loading is idempotent: a second run adds nothing.
+:func:`run_lab_demo` (the default) starts the lab (``rca/lab``) on a few
+simulated replicas, drives a mixed workload with one injected fault each (a
+scripted Xid 48 with real KV bit flips, an inf in a weight, a leaking KV
+block manager, a flood of retries, an adapter with too high a rank, an
+application kernel reading out of bounds), captures everything through the
+real probes, spool and ingest into the store, and answers each incident.
+
+:func:`run_demo` with ``example`` loads a bundled example instead: realistic
+text (a kernel log with Xid lines, a vLLM server log with a chained traceback,
+OTLP/JSON traces as a Collector file exporter writes them) plus the records our
+probes would have emitted, which go through the real spool. Loading an example
+is idempotent: a second run adds nothing.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +33,19 @@ from ingest.store import Store
 from rca.engine import Diagnosis
 from rca.query import diagnose_trace
 
-__all__ = ["EXAMPLES_DIR", "DemoReport", "load_example", "run_demo"]
+__all__ = ["EXAMPLES_DIR", "DEMO_FAULTS", "DemoReport", "load_example", "run_demo", "run_lab_demo"]
+
+#: The faults `rca demo` injects, one per simulated replica (a mix of families).
+DEMO_FAULTS = (
+    "xid48_dbe",
+    "weight_inf",
+    "kv_block_leak",
+    "queue_flood",
+    "lora_rank",
+    "illegal_address_app",
+)
+#: The short mode (tests): fewer replicas.
+DEMO_FAULTS_QUICK = ("xid48_dbe", "queue_flood", "lora_rank")
 
 EXAMPLES_DIR = Path(__file__).with_name("examples")
 
@@ -137,3 +158,59 @@ def run_demo(db: str | Path | None = None, name: str = "xid48_ecc") -> DemoRepor
 
 def _all_trace_ids(manifest: dict[str, Any]) -> list[str]:
     return manifest.get("traces", [])
+
+
+def run_lab_demo(
+    db: str | Path | None = None,
+    *,
+    quick: bool = False,
+    seed: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> DemoReport:
+    """Run the lab with injected faults into the store and answer each incident."""
+    import secrets
+    import tempfile
+
+    from rca.lab.runner import Scenario, run_scenario
+
+    store = Store(db if db is not None else default_db_path())
+    faults = DEMO_FAULTS_QUICK if quick else DEMO_FAULTS
+    run = secrets.token_hex(3) if seed is None else f"s{seed}"
+    rng_seed = seed if seed is not None else int.from_bytes(secrets.token_bytes(4), "big")
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="rca-demo-") as work:
+        for i, name in enumerate(faults):
+            if progress is not None:
+                progress(i, len(faults), name)
+            sc = Scenario(
+                scenario_id=f"{run}-{i}",
+                host=f"lab-demo-{run}-{i}",
+                primary=name,
+                seed=(rng_seed * 31 + i) % (1 << 30),
+                n_requests=10,
+                at_step=20 + 3 * i,
+                noise_bad_client=i % 2 == 0,
+                tight_pool=i % 3 == 0,
+            )
+            outcomes.append(run_scenario(sc, store, Path(work)))
+        if progress is not None:
+            progress(len(faults), len(faults), "done")
+    statuses: dict[int, int] = {}
+    for o in outcomes:
+        for st, n in o.statuses.items():
+            statuses[st] = statuses.get(st, 0) + n
+    expected = {o.incident_trace: o.code for o in outcomes if o.incident_trace}
+    incidents = [diagnose_trace(t, store=store) for t in expected]
+    db_arg = "" if db is None else f" --db {db}"
+    nxt = [f"rca query --trace-id {d.trace_id}{db_arg}" for d in incidents[:1]]
+    nxt += [f"rca traces{db_arg}", f"rca dashboard{db_arg}"]
+    desc = (
+        f"fault-injection lab: {len(outcomes)} replicas (hosts lab-demo-{run}-N), "
+        f"one injected fault each: {', '.join(faults)}"
+    )
+    counts = {
+        "replicas": len(outcomes),
+        "requests": sum(statuses.values()),
+        "incidents": len(incidents),
+    }
+    return DemoReport(desc, str(store.path), counts, statuses, incidents, expected, nxt)

@@ -61,21 +61,26 @@ def print_diagnosis(
                 console.print(f"     {where}  {r['code']:<28} {msg}  [dim]{r['event_id']}[/dim]")
     for note in diag.notes:
         console.print(f"  [bold]note[/bold]: {escape(note)}")
-    console.print("  [dim]\\[CODE] = inferred link with no evidence row[/dim]")
+    shown = diag.causes[:top]
+    if any(code not in set(c.observed) for c in shown for code in c.chain):
+        console.print("  [dim]\\[CODE] = inferred link with no evidence row[/dim]")
 
 
 def print_demo(console: Console, report: DemoReport) -> None:
-    console.print(f"[bold]example incident[/bold]: {escape(report.description)}")
+    console.print(f"[bold]demo[/bold]: {escape(report.description)}")
     console.print(
-        "rows added: "
-        + ", ".join(f"{k} {v}" for k, v in report.counts.items())
-        + f"  (store: {report.db})"
+        ", ".join(f"{k} {v}" for k, v in report.counts.items()) + f"  (store: {report.db})"
     )
     console.print(
         "requests by status: " + ", ".join(f"{k}: {v}" for k, v in sorted(report.requests.items()))
     )
     for inc in report.incidents:
         console.print()
+        injected = report.expected.get(inc.trace_id or "")
+        if injected:
+            top = inc.causes[0].code if inc.causes else None
+            mark = "[green]right[/green]" if top == injected else "[red]wrong[/red]"
+            console.print(f"[bold]injected[/bold]: {injected}  (ranked first: {mark})")
         print_diagnosis(console, inc, evidence=False, top=3)
     console.print()
     console.print("[bold]next[/bold]:")

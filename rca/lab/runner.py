@@ -1,0 +1,505 @@
+"""Run lab scenarios: a workload against the lab server with injected faults,
+everything captured through the real probes, spool and ingest into a store.
+
+A scenario is one engine lifetime on one simulated host (``lab-<id>``): the
+lab server (ASGI app in-process, the engine stepped from the same event loop
+so runs are repeatable), a mixed workload of ordinary requests, the requests
+a fault needs, background noise (benign preemptions from a tight KV pool, an
+unrelated client sending bad parameters, a healthy GPU's readings) and one
+primary fault, sometimes a second concurrent one. After the run the spool is
+loaded, the engine and kernel logs and the metric scrapes are ingested, and the
+trace of the first request the primary fault hit is the incident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import random
+import secrets
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ingest.paths import spool_dir_for
+from ingest.store import Store
+
+__all__ = [
+    "Scenario",
+    "RunOutcome",
+    "run_scenario",
+    "make_scenarios",
+    "generate_incidents",
+    "PROMPTS",
+]
+
+PROMPTS = (
+    "Summarize the incident report in two sentences.",
+    "Translate to French: the cache is warm.",
+    "Write a haiku about GPUs.",
+    "What is the capital of Australia?",
+    "List three prime numbers.",
+    "Explain paged attention briefly.",
+    "def fib(n):",
+    "The quick brown fox",
+    '{"tool": "search", "query": "weather in Oslo"}',
+    "Once upon a time in a datacenter",
+)
+
+
+@dataclass
+class Scenario:
+    scenario_id: str
+    host: str
+    primary: str  # fault type name
+    secondary: str | None = None
+    seed: int = 0
+    n_requests: int = 10
+    at_step: int = 20
+    noise_bad_client: bool = False
+    tight_pool: bool = False
+
+
+@dataclass
+class RequestLog:
+    index: int
+    trace_id: str
+    path: str
+    at: int
+    status: int | None = None
+    request_id: str | None = None
+    victim_of: str | None = None
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunOutcome:
+    scenario: Scenario
+    code: str
+    family: str
+    requests: list[RequestLog]
+    incident_trace: str | None
+    inject_ns: int | None
+    series: list[dict[str, Any]]
+    series_codes: dict[str, str]
+    statuses: Counter
+    secondary_code: str | None = None
+    seconds: float = 0.0
+
+    def status_counts(self) -> dict[int, int]:
+        return dict(self.statuses)
+
+
+# ---------------------------------------------------------------------------
+# a sink that puts the simulated host on everything the probes emit
+# ---------------------------------------------------------------------------
+class HostSink:
+    """Wrap a sink: records, spans and metric rows carry the lab's host name."""
+
+    def __init__(self, inner: Any, host: str) -> None:
+        self.inner = inner
+        self.host = host
+
+    def emit(self, record: Any) -> None:
+        if dataclasses.is_dataclass(record) and hasattr(record, "host"):
+            record = dataclasses.replace(record, host=self.host)
+        self.inner.emit(record)
+
+    def emit_metric(self, row: dict[str, Any]) -> None:
+        row = dict(row)
+        row["host"] = self.host
+        self.inner.emit_metric(row)
+
+    def flush(self) -> None:
+        f = getattr(self.inner, "flush", None)
+        if f:
+            f()
+
+
+# ---------------------------------------------------------------------------
+# in-process ASGI calls
+# ---------------------------------------------------------------------------
+async def asgi_call(
+    app: Any, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """One HTTP request through an ASGI app, no sockets: (status, parsed body)."""
+    raw = b"" if body is None else json.dumps(body).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": hdrs,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+    sent = False
+    status = 0
+    chunks: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        nonlocal status
+        if msg["type"] == "http.response.start":
+            status = int(msg["status"])
+        elif msg["type"] == "http.response.body":
+            chunks.append(msg.get("body", b""))
+
+    try:
+        await app(scope, receive, send)
+    except Exception:  # the server answers 500 when the app raised before responding
+        status = status or 500
+    data = b"".join(chunks)
+    try:
+        parsed = json.loads(data) if data else None
+    except ValueError:
+        parsed = data.decode("utf-8", "replace")
+    return status, parsed
+
+
+# ---------------------------------------------------------------------------
+# scenarios
+# ---------------------------------------------------------------------------
+def make_scenarios(
+    n: int, seed: int, *, types: list[str] | None = None, two_fault_share: float = 0.2
+) -> list[Scenario]:
+    """``n`` scenarios cycling over the fault types (shuffled per round), each
+    with its own host, seed, injection step and background noise; about
+    ``two_fault_share`` of them carry a second, concurrent request-level fault."""
+    from rca.lab.faults import NOISE_FAULTS, fault_types
+
+    rng = random.Random(seed)
+    names = list(types or fault_types())
+    out: list[Scenario] = []
+    order: list[str] = []
+    for i in range(n):
+        if not order:
+            order = names[:]
+            rng.shuffle(order)
+        primary = order.pop()
+        secondary = None
+        if rng.random() < two_fault_share:
+            choices = [f for f in NOISE_FAULTS if f != primary]
+            secondary = rng.choice(choices) if choices else None
+        out.append(
+            Scenario(
+                scenario_id=f"{seed}-{i:04d}",
+                host=f"lab-{seed}-{i:04d}",
+                primary=primary,
+                secondary=secondary,
+                seed=rng.randrange(1 << 30),
+                n_requests=rng.randint(6, 12),
+                at_step=rng.randint(12, 40),
+                noise_bad_client=rng.random() < 0.35,
+                tight_pool=rng.random() < 0.5,
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# one run
+# ---------------------------------------------------------------------------
+def _base_config(sc: Scenario, faults: list[Any]) -> Any:
+    from rca.lab.model import LabConfig
+
+    # the lab checks every module's output (the numerical tier), so a fault is
+    # caught at the op where it starts, not only at the logits
+    overrides: dict[str, Any] = {"seed": sc.seed % 1000, "checker_tiers": "numerical"}
+    if sc.tight_pool:
+        overrides["num_blocks"] = 40  # benign preemptions under load
+    for f in faults:
+        overrides.update(f.config())
+    fields = {f.name for f in dataclasses.fields(LabConfig)}
+    known = {k: v for k, v in overrides.items() if k in fields}
+    return LabConfig(**known), {k: v for k, v in overrides.items() if k not in fields}
+
+
+def _workload(sc: Scenario, faults: list[Any], rng: random.Random) -> list[dict[str, Any]]:
+    reqs: list[dict[str, Any]] = []
+    horizon = sc.at_step + 25
+    for _ in range(sc.n_requests):
+        body: dict[str, Any] = {
+            "prompt": rng.choice(PROMPTS) * rng.randint(1, 3),
+            "max_tokens": rng.randint(8, 24),
+            "temperature": rng.choice([0.0, 0.0, 0.7]),
+            "seed": rng.randrange(1 << 16),
+        }
+        reqs.append({"at": rng.randrange(0, horizon), "body": body})
+    if sc.noise_bad_client:  # an unrelated client with a bad parameter
+        reqs.append(
+            {
+                "at": rng.randrange(0, horizon),
+                "body": {"prompt": "ping", "max_tokens": 0},
+            }
+        )
+    for f in faults:
+        for r in f.workload():
+            r = dict(r)
+            body = dict(r["body"])
+            if body.get("lora_path") == "@adapter":
+                body["lora_path"] = getattr(f, "adapter_path", "")
+            r["body"] = body
+            if r.pop("victim", False):
+                r["victim_of"] = f.name
+            reqs.append(r)
+    reqs.sort(key=lambda r: r["at"])
+    return reqs
+
+
+async def _drive(
+    engine: Any,
+    app: Any,
+    reqs: list[dict[str, Any]],
+    faults: list[Any],
+    *,
+    tick_s: float,
+    max_s: float,
+    scrape: Callable[[], None],
+    scrape_s: float = 0.15,
+) -> list[RequestLog]:
+    """Send the workload through the ASGI app (arrivals in ticks of ``tick_s``)
+    while the engine steps on its own thread, as a server does."""
+    logs: list[RequestLog] = []
+    tasks: list[asyncio.Task] = []
+    by_fault = {f.name: f for f in faults}
+
+    async def send(log: RequestLog, body: dict[str, Any]) -> None:
+        tp = f"00-{log.trace_id}-{secrets.token_hex(8)}-01"
+        status, data = await asgi_call(app, "POST", log.path, body, {"traceparent": tp})
+        log.status = status
+        if isinstance(data, dict) and isinstance(data.get("id"), str):
+            log.request_id = data["id"]
+
+    pending = list(reqs)
+    t_end = time.monotonic() + max_s
+    next_scrape = 0.0
+    it = 0
+    while time.monotonic() < t_end:
+        while pending and pending[0]["at"] <= it:
+            r = pending.pop(0)
+            body = dict(r["body"])
+            if body.get("lora_path") == "@adapter":
+                owner = next((f for f in faults if hasattr(f, "adapter_path")), None)
+                body["lora_path"] = getattr(owner, "adapter_path", "")
+            log = RequestLog(
+                index=len(logs),
+                trace_id=secrets.token_hex(16),
+                path=r.get("path", "/v1/completions"),
+                at=it,
+                victim_of=r.get("victim_of"),
+                body={k: v for k, v in body.items() if k != "prompt"},
+            )
+            logs.append(log)
+            tasks.append(asyncio.create_task(send(log, body)))
+            if log.victim_of in by_fault:
+                by_fault[log.victim_of].mark()
+        for f in faults:
+            if not f.armed and it >= f.at_step:
+                f.armed = True
+        if time.monotonic() >= next_scrape:  # the lab's compressed scrape interval
+            scrape()
+            next_scrape = time.monotonic() + scrape_s
+        await asyncio.sleep(tick_s)
+        it += 1
+        if not pending and all(t.done() for t in tasks):
+            break
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    scrape()
+    return logs
+
+
+def _pick_incident(logs: list[RequestLog], primary: Any, engine: Any) -> RequestLog | None:
+    """The trace the primary fault hit: a request built as its victim, else the
+    first request in its ``victims`` (by request id) that failed, else the
+    first failure with the fault's status after the injection."""
+    failed = [lg for lg in logs if lg.status is not None and lg.status >= 400]
+    for lg in failed:
+        if lg.victim_of == primary.name and lg.status == primary.status:
+            return lg
+    by_trace = {lg.trace_id: lg for lg in logs}
+    for tid in primary.victims:
+        lg = by_trace.get(tid)
+        if lg is not None and lg.status is not None and lg.status >= 400:
+            return lg
+    for lg in failed:
+        if lg.victim_of == primary.name:
+            return lg
+    for lg in failed:
+        if lg.status == primary.status and lg.victim_of is None and lg.path == "/v1/completions":
+            return lg
+    return None
+
+
+def run_scenario(
+    sc: Scenario,
+    store: Store,
+    work_dir: Path,
+    *,
+    tick_s: float = 0.004,
+    max_s: float = 20.0,
+) -> RunOutcome:
+    """Run one scenario into ``store``; see the module docstring."""
+    import torch
+
+    from ingest.pipeline import ingest_paths
+    from ingest.prometheus import ThresholdTracker, parse_exposition
+    from ingest.spool import SpoolWriter, load_spool
+    from probes.sink import SpoolSink
+    from rca.lab.engine import LabEngine
+    from rca.lab.faults import make_fault
+    from rca.lab.server import build_app
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    rng = random.Random(sc.seed)
+    primary = make_fault(sc.primary, random.Random(rng.randrange(1 << 30)), sc.at_step)
+    faults = [primary]
+    if sc.secondary:
+        faults.append(
+            make_fault(sc.secondary, random.Random(rng.randrange(1 << 30)), sc.at_step + 3)
+        )
+    config, _unknown = _base_config(sc, faults)
+    run_dir = work_dir / sc.scenario_id
+    spool = spool_dir_for(store.path)
+    inner = SpoolSink(spool)
+    sink = HostSink(inner, sc.host)
+    script: dict[str, Any] = {}
+    for f in faults:
+        script.update(getattr(f, "nvml_script", dict)())
+    engine = LabEngine(
+        config, run_dir, host=sc.host, faults=faults, sink=sink, fake_nvml_script=script or None
+    )
+    app = build_app(engine)
+    reqs = _workload(sc, faults, rng)
+    tracker = ThresholdTracker()
+    scrape_writer = SpoolWriter(spool)
+
+    def scrape() -> None:
+        res = parse_exposition(
+            engine.metrics_text(), source=f"http://{sc.host}:8000/metrics", host=sc.host
+        )
+        for row in res.samples:
+            scrape_writer.emit_metric(row)
+        for rec in tracker.feed(res):
+            scrape_writer.emit(dataclasses.replace(rec, host=sc.host))
+
+    # the probes' own log lines (rate-limited warnings) go to the replica's
+    # folder, as a server's would go to its log, not to the caller's terminal
+    plog = logging.getLogger("rca.probes")
+    handler = logging.FileHandler(run_dir / "probes.log", encoding="utf-8")
+    saved = (plog.propagate, plog.level)
+    plog.addHandler(handler)
+    plog.propagate = False
+    plog.setLevel(logging.INFO)
+    engine.start()
+    try:
+        logs = asyncio.run(
+            _drive(engine, app, reqs, faults, tick_s=tick_s, max_s=max_s, scrape=scrape)
+        )
+    finally:
+        engine.stop()
+        plog.removeHandler(handler)
+        handler.close()
+        plog.propagate, plog.level = saved
+        scrape_writer.close()
+        inner.writer.close()
+        engine.close()
+    load_spool(store, spool)
+    logs_in = [p for p in (run_dir / "engine.log", run_dir / "kern.log") if p.exists()]
+    if logs_in:
+        ingest_paths(store, logs_in, host=sc.host)
+    inc = _pick_incident(logs, primary, engine)
+    statuses = Counter(lg.status for lg in logs if lg.status is not None)
+    return RunOutcome(
+        scenario=sc,
+        code=primary.code,
+        family=primary.family(),
+        requests=logs,
+        incident_trace=inc.trace_id if inc else None,
+        inject_ns=primary.inject_ns,
+        series=list(engine.series),
+        series_codes=dict(engine.series_codes),
+        statuses=statuses,
+        secondary_code=faults[1].code if len(faults) > 1 else None,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+# ---------------------------------------------------------------------------
+# incidents for the accuracy benchmark
+# ---------------------------------------------------------------------------
+def generate_incidents(
+    n: int,
+    seed: int,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    types: list[str] | None = None,
+    keep_dir: Path | None = None,
+) -> list[Any]:
+    """Run ``n`` scenarios, one store each, and return one
+    :class:`rca.bench.accuracy.Incident` per scenario whose fault hit a request
+    (a scenario whose fault failed nobody is dropped, and counted in
+    ``generate_incidents.last_dropped``)."""
+    from rca.bench.accuracy import Incident, frame_from_series
+    from rca.query import gather_evidence
+
+    scenarios = make_scenarios(n, seed, types=types)
+    out: list[Any] = []
+    dropped: list[str] = []
+    base = Path(tempfile.mkdtemp(prefix="rca-lab-")) if keep_dir is None else keep_dir
+    try:
+        for i, sc in enumerate(scenarios):
+            d = base / sc.scenario_id
+            d.mkdir(parents=True, exist_ok=True)
+            store = Store(d / "lab.duckdb")
+            res = run_scenario(sc, store, d)
+            if res.incident_trace is None:
+                dropped.append(sc.primary)
+            else:
+                gathered = gather_evidence(res.incident_trace, store)
+                frame = frame_from_series(res.series) if res.series else None
+                out.append(
+                    Incident(
+                        incident_id=sc.scenario_id,
+                        fault=sc.primary,
+                        family=res.family,
+                        code=res.code,
+                        gathered=gathered,
+                        frame=frame,
+                        inject_time=res.inject_ns / 1e9 if res.inject_ns else None,
+                        column_codes=dict(res.series_codes),
+                    )
+                )
+            if keep_dir is None:
+                shutil.rmtree(d, ignore_errors=True)
+            if progress is not None:
+                progress(i + 1, len(scenarios))
+    finally:
+        if keep_dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    generate_incidents.last_dropped = dropped  # type: ignore[attr-defined]
+    return out

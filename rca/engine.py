@@ -13,7 +13,8 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import networkx as nx
@@ -80,6 +81,51 @@ class Weights:
     depth: float = 0.8  # (7 - layer) / 6
     confidence: float = 0.5
     support: float = 0.2  # ln(1 + rows of evidence)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The feature names, in the order of the fields."""
+        return [f.name for f in fields(cls)]
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(getattr(self, k)) for k in self.names()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Weights:
+        """Weights from a mapping; missing names keep their hand-set default."""
+        unknown = set(data) - set(cls.names())
+        if unknown:
+            raise ValueError(f"unknown weight name(s): {', '.join(sorted(unknown))}")
+        return cls(**{k: float(v) for k, v in data.items()})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Weights:
+        """Read weights from a TOML file (a ``[weights]`` table or top-level keys) or JSON."""
+        import tomllib
+
+        from graph.errors import InputError
+
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+            if isinstance(data.get("weights"), dict):
+                data = data["weights"]
+            return cls.from_dict({k: v for k, v in data.items() if not isinstance(v, dict)})
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise InputError(f"cannot read weights from {p}: {exc}") from None
+
+    def save(self, path: str | Path, *, comment: str = "") -> Path:
+        """Write the weights as TOML (a ``[weights]`` table), or JSON for a ``.json`` path."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.suffix == ".json":
+            p.write_text(json.dumps({"weights": self.to_dict()}, indent=2) + "\n", "utf-8")
+            return p
+        head = "".join(f"# {line}\n" for line in comment.splitlines())
+        body = "".join(f"{k} = {v!r}\n" for k, v in self.to_dict().items())
+        p.write_text(f"{head}[weights]\n{body}", encoding="utf-8")
+        return p
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from ingest.spool import load_spool
 from ingest.store import Store
 from rca.engine import (
     Diagnosis,
+    Evidence,
+    RootCause,
     Scope,
     Weights,
     evidence_from_groups,
@@ -24,7 +27,14 @@ from rca.engine import (
 )
 from rca.engine import symptom_from_spans as _symptom_from_spans
 
-__all__ = ["diagnose_trace", "open_store", "DEFAULT_WINDOW_S"]
+__all__ = [
+    "DEFAULT_WINDOW_S",
+    "Gathered",
+    "diagnose_trace",
+    "gather_evidence",
+    "open_store",
+    "rank_gathered",
+]
 
 DEFAULT_WINDOW_S = 300.0
 _REQUEST_ID_KEYS = (
@@ -57,27 +67,37 @@ def _request_ids(spans: list[dict[str, Any]], records: list[dict[str, Any]]) -> 
     return sorted(ids)
 
 
-def diagnose_trace(
+@dataclass
+class Gathered:
+    """What the ranking sees for one failed trace (see :func:`gather_evidence`)."""
+
+    trace_id: str
+    symptom: str | None
+    symptom_ts: int
+    evidence: list[Evidence]
+    extra_edges: list[tuple[str, str, float]] = field(default_factory=list)
+    drop_edges: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    window: tuple[int, int] | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)  # records, for display
+
+
+def gather_evidence(
     trace_id: str,
-    *,
-    store: Store | None = None,
-    db: str | Path | None = None,
+    store: Store,
     window_s: float = DEFAULT_WINDOW_S,
     catalog: Catalog | None = None,
-    weights: Weights | None = None,
-    top: int = 5,
-) -> Diagnosis:
-    """Rank the root causes of the failure seen by one trace.
+) -> Gathered:
+    """Collect the evidence of the failure seen by one trace.
 
-    Gathers the trace's spans and records, then the records of the same
-    request ids, GPUs and hosts in ``window_s`` before the symptom (and a
-    short grace after it, for clock skew), and ranks them on the topology.
+    The trace's spans and records, then the records of the same request ids,
+    GPUs and hosts in ``window_s`` before the symptom (and a short grace after
+    it, for clock skew), plus the SM-fault reading of Xid 13/31 as edges.
     """
     tid = trace_id.strip().lower()
     if not tid or len(tid) > 64 or any(c not in "0123456789abcdef-" for c in tid):
         raise InputError(f"not a trace id: {trace_id!r} (expected 32 hex digits)")
     catalog = catalog or default_catalog()
-    store = store or open_store(db)
     with store.read() as con:
         rows = queries.fetch_trace(con, tid)
         if not rows.spans and not rows.records:
@@ -103,35 +123,81 @@ def diagnose_trace(
             gpus=gpus,
             request_ids=req_ids,
         )
-        sm_rows = queries.fetch_sm_errors(con, gpus=gpus, t_start=t_start, t_end=t_end)
-        evidence = evidence_from_rows(rows.records, Scope.TRACE)
-        evidence += evidence_from_groups(context)
-        sm_add, sm_drop, sm_note = sm_rule_edges(
-            [json.loads(r["sm_error"]) for r in sm_rows],
-            {r["code"] for r in sm_rows},
-            {e.code for e in evidence},
-            catalog,
-        )
-        symptom, causes = rank_root_causes(
-            default_topology(),
-            evidence,
-            catalog=catalog,
-            symptom=symptom,
-            symptom_ts=t_sym,
-            weights=weights,
-            top=top,
-            extra_edges=sm_add,
-            drop_edges=sm_drop,
-        )
-    used = {e for c in causes[:1] for e in c.evidence}
-    shown = [r for r in rows.records if r["event_id"] in used]
-    shown += [r for g in context for r in g["rows"] if r["event_id"] in used]
-    return Diagnosis(
+        # a trace whose records name no GPU (probes on a host without device ids)
+        # still gets NVIDIA's SM reading for the GPUs its host's evidence names
+        sm_gpus = gpus or queries.host_gpus(con, hosts=hosts, t_start=t_start, t_end=t_end)
+        sm_rows = queries.fetch_sm_errors(con, gpus=sm_gpus, t_start=t_start, t_end=t_end)
+    evidence = evidence_from_rows(rows.records, Scope.TRACE)
+    evidence += evidence_from_groups(context)
+    sm_add, sm_drop, sm_note = sm_rule_edges(
+        [json.loads(r["sm_error"]) for r in sm_rows],
+        {r["code"] for r in sm_rows},
+        {e.code for e in evidence},
+        catalog,
+    )
+    return Gathered(
         trace_id=tid,
         symptom=symptom,
-        causes=causes,
-        window=(t_start, t_end),
-        evidence_rows=sum(e.count for e in evidence),
-        evidence=shown,
+        symptom_ts=t_sym,
+        evidence=evidence,
+        extra_edges=list(sm_add),
+        drop_edges=list(sm_drop),
         notes=[sm_note] if sm_note else [],
+        window=(t_start, t_end),
+        rows=list(rows.records) + [r for g in context for r in g["rows"]],
+    )
+
+
+def rank_gathered(
+    gathered: Gathered,
+    *,
+    catalog: Catalog | None = None,
+    weights: Weights | None = None,
+    top: int = 5,
+) -> tuple[str | None, list[RootCause]]:
+    """Rank the root causes in ``gathered`` on the default topology."""
+    return rank_root_causes(
+        default_topology(),
+        gathered.evidence,
+        catalog=catalog or default_catalog(),
+        symptom=gathered.symptom,
+        symptom_ts=gathered.symptom_ts,
+        weights=weights,
+        top=top,
+        extra_edges=gathered.extra_edges,
+        drop_edges=gathered.drop_edges,
+    )
+
+
+def diagnose_trace(
+    trace_id: str,
+    *,
+    store: Store | None = None,
+    db: str | Path | None = None,
+    window_s: float = DEFAULT_WINDOW_S,
+    catalog: Catalog | None = None,
+    weights: Weights | None = None,
+    top: int = 5,
+) -> Diagnosis:
+    """Rank the root causes of the failure seen by one trace.
+
+    Gathers the trace's evidence (:func:`gather_evidence`) and ranks it on the
+    topology (:func:`rank_gathered`).
+    """
+    tid = trace_id.strip().lower()
+    if not tid or len(tid) > 64 or any(c not in "0123456789abcdef-" for c in tid):
+        raise InputError(f"not a trace id: {trace_id!r} (expected 32 hex digits)")
+    catalog = catalog or default_catalog()
+    store = store or open_store(db)
+    gathered = gather_evidence(tid, store, window_s, catalog)
+    symptom, causes = rank_gathered(gathered, catalog=catalog, weights=weights, top=top)
+    used = {e for c in causes[:1] for e in c.evidence}
+    return Diagnosis(
+        trace_id=gathered.trace_id,
+        symptom=symptom,
+        causes=causes,
+        window=gathered.window,
+        evidence_rows=sum(e.count for e in gathered.evidence),
+        evidence=[r for r in gathered.rows if r["event_id"] in used],
+        notes=list(gathered.notes),
     )

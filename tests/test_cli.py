@@ -17,14 +17,14 @@ runner = CliRunner()
 @pytest.fixture
 def demo_db(tmp_path: Path) -> Path:
     db = tmp_path / "demo.duckdb"
-    res = runner.invoke(app, ["demo", "--db", str(db), "--json"])
+    res = runner.invoke(app, ["demo", "--example", "xid48_ecc", "--db", str(db), "--json"])
     assert res.exit_code == 0, res.output
     return db
 
 
-def test_demo_answers_every_incident_with_the_planted_cause(tmp_path: Path) -> None:
+def test_demo_example_answers_every_incident_with_the_planted_cause(tmp_path: Path) -> None:
     db = tmp_path / "demo.duckdb"
-    res = runner.invoke(app, ["demo", "--db", str(db), "--json"])
+    res = runner.invoke(app, ["demo", "--example", "xid48_ecc", "--db", str(db), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
     assert report["requests"] == {"200": 3, "500": 2, "503": 1}
@@ -37,7 +37,7 @@ def test_demo_answers_every_incident_with_the_planted_cause(tmp_path: Path) -> N
     chains = {tuple(i["causes"][0]["chain"]) for i in report["incidents"]}
     assert ("GPU_XID_48", "KV_BLOCK_HASH_MISMATCH", "LOGITS_NAN", "HTTP_500") in chains
     # idempotent: a second run adds nothing and answers the same
-    again = json.loads(runner.invoke(app, ["demo", "--db", str(db), "--json"]).output)
+    again = json.loads(runner.invoke(app, ["demo", "--example", "xid48_ecc", "--db", str(db), "--json"]).output)
     assert again["incidents"] == report["incidents"]
     with __import__("duckdb").connect(str(db), read_only=True) as con:
         assert con.execute("SELECT count(*) FROM spans").fetchone()[0] == 12
@@ -196,14 +196,14 @@ def test_readme_cli_reference_lists_every_command() -> None:
     import re
 
     readme = (ROOT / "README.md").read_text()
-    documented = set(re.findall(r"^\| `rca ((?:bench |probe )?[a-z]+)", readme, re.M))
+    documented = set(re.findall(r"^\| `rca ((?:bench |probe |lab )?[a-z]+)", readme, re.M))
 
     def name(c) -> str:
         return c.name or c.callback.__name__.replace("_", "-")
 
     commands = {name(c) for c in app.registered_commands}
     groups = {g.name: g.typer_instance for g in app.registered_groups}
-    for group in ("bench", "probe"):
+    for group in ("bench", "probe", "lab"):
         commands |= {f"{group} {name(c)}" for c in groups[group].registered_commands}
     assert commands == documented
 

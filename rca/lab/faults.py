@@ -183,9 +183,8 @@ class LogitsNaN(Fault):
         import torch
 
         with torch.no_grad():
-            engine.model.lm_head.weight[
-                self.rng.randrange(engine.model.lm_head.weight.shape[0])
-            ] = float("nan")
+            # a row of a real byte token (ids past the tokenizer are masked)
+            engine.model.lm_head.weight[self.rng.randrange(256)] = float("nan")
         self.mark()
         self._batch_victims(batch)
 
@@ -317,7 +316,6 @@ class PromptTooLong(Fault):
     status: ClassVar[int] = 413
 
     def workload(self) -> list[dict[str, Any]]:
-        self.mark()
         return [
             {"at": self.at_step, "body": {"prompt": "x" * 700, "max_tokens": 8}, "victim": True}
         ]
@@ -330,7 +328,6 @@ class BadSamplingParam(Fault):
     status: ClassVar[int] = 400
 
     def workload(self) -> list[dict[str, Any]]:
-        self.mark()
         body = self.rng.choice(
             [
                 {"prompt": "hello there", "max_tokens": 8, "temperature": -0.5},
@@ -352,7 +349,6 @@ class QueueFlood(Fault):
         return {"max_waiting": 6}
 
     def workload(self) -> list[dict[str, Any]]:
-        self.mark()
         return [
             {"at": self.at_step, "body": {"prompt": f"retry {i}", "max_tokens": 24}, "victim": True}
             for i in range(16)
@@ -370,9 +366,6 @@ class SchedulerStarvation(Fault):
 
     def config(self) -> dict[str, Any]:
         return {"max_num_seqs": 1, "request_timeout_s": 1.0, "max_waiting": 512}
-
-    def on_start(self, engine: Any) -> None:
-        self.mark()
 
     def workload(self) -> list[dict[str, Any]]:
         return [
@@ -450,7 +443,7 @@ class DraftCollapse(Fault):
     status: ClassVar[int] = 504
 
     def config(self) -> dict[str, Any]:
-        return {"spec_k": 4, "request_timeout_s": 0.5}
+        return {"spec_k": 4, "request_timeout_s": 0.5, "stats_every": 5}
 
     def before_step(self, engine: Any, batch: Any) -> None:
         if not self.armed:
@@ -541,7 +534,6 @@ class LoraBadRank(Fault):
         path = Path(engine.run_dir) / "support-bot.pt"
         _write_adapter(path, engine.config, rank=self.rank, targets=list(self.targets))
         self.adapter_path = str(path)
-        self.mark()
 
 
 @dataclass

@@ -92,6 +92,7 @@ class RunOutcome:
     statuses: Counter
     secondary_code: str | None = None
     seconds: float = 0.0
+    drive_seconds: float = 0.0
 
     def status_counts(self) -> dict[int, int]:
         return dict(self.statuses)
@@ -262,6 +263,7 @@ def _workload(sc: Scenario, faults: list[Any], rng: random.Random) -> list[dict[
             r["body"] = body
             if r.pop("victim", False):
                 r["victim_of"] = f.name
+            r["fault"] = f.name
             reqs.append(r)
     reqs.sort(key=lambda r: r["at"])
     return reqs
@@ -312,8 +314,8 @@ async def _drive(
             )
             logs.append(log)
             tasks.append(asyncio.create_task(send(log, body)))
-            if log.victim_of in by_fault:
-                by_fault[log.victim_of].mark()
+            if r.get("fault") in by_fault:  # the fault's own request: injected now
+                by_fault[r["fault"]].mark()
         for f in faults:
             if not f.armed and it >= f.at_step:
                 f.armed = True
@@ -330,6 +332,18 @@ async def _drive(
     await asyncio.gather(*tasks, return_exceptions=True)
     scrape()
     return logs
+
+
+def _driver_boot_lines(engine: Any) -> None:
+    """What the NVIDIA driver prints for each GPU when it loads: the PCI bus id
+    to UUID line that lets kern.log's Xid lines name their GPU."""
+    for dev in engine.nvml.script.get("devices", []):
+        bus = str(dev.get("pci_bus_id", "00000000:3B:00.0"))
+        dom, b, rest = bus.split(":")
+        engine.kernel_log(
+            f"NVRM: GPU at PCI:{dom[-4:]}:{b.lower()}:{rest.lower()}: {dev.get('uuid', '')}"
+        )
+        engine.kernel_log(f"NVRM: GPU Board Serial Number: 16523{abs(hash(bus)) % 10**8:08d}")
 
 
 def _pick_incident(logs: list[RequestLog], primary: Any, engine: Any) -> RequestLog | None:
@@ -393,6 +407,7 @@ def run_scenario(
     engine = LabEngine(
         config, run_dir, host=sc.host, faults=faults, sink=sink, fake_nvml_script=script or None
     )
+    _driver_boot_lines(engine)
     app = build_app(engine)
     reqs = _workload(sc, faults, rng)
     tracker = ThresholdTracker()
@@ -428,6 +443,7 @@ def run_scenario(
         scrape_writer.close()
         inner.writer.close()
         engine.close()
+    t_drive = time.perf_counter() - t0
     load_spool(store, spool)
     logs_in = [p for p in (run_dir / "engine.log", run_dir / "kern.log") if p.exists()]
     if logs_in:
@@ -446,12 +462,48 @@ def run_scenario(
         statuses=statuses,
         secondary_code=faults[1].code if len(faults) > 1 else None,
         seconds=time.perf_counter() - t0,
+        drive_seconds=t_drive,
     )
 
 
 # ---------------------------------------------------------------------------
 # incidents for the accuracy benchmark
 # ---------------------------------------------------------------------------
+def _incident(sc: Scenario, base: Path, keep: bool) -> Any:
+    """Run one scenario in its own store; an Incident, or the fault's name when
+    the fault failed no request (then there is nothing to rank)."""
+    from rca.bench.accuracy import Incident, frame_from_series
+    from rca.query import gather_evidence
+
+    d = base / sc.scenario_id
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        store = Store(d / "lab.duckdb")
+        res = run_scenario(sc, store, d)
+        if res.incident_trace is None:
+            return sc.primary
+        return Incident(
+            incident_id=sc.scenario_id,
+            fault=sc.primary,
+            family=res.family,
+            code=res.code,
+            gathered=gather_evidence(res.incident_trace, store),
+            frame=frame_from_series(res.series) if res.series else None,
+            inject_time=res.inject_ns / 1e9 if res.inject_ns else None,
+            column_codes=dict(res.series_codes),
+        )
+    finally:
+        if not keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _worker_init() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("rca.probes").setLevel(logging.ERROR)
+
+
 def generate_incidents(
     n: int,
     seed: int,
@@ -459,47 +511,39 @@ def generate_incidents(
     progress: Callable[[int, int], None] | None = None,
     types: list[str] | None = None,
     keep_dir: Path | None = None,
+    jobs: int | None = None,
 ) -> list[Any]:
     """Run ``n`` scenarios, one store each, and return one
     :class:`rca.bench.accuracy.Incident` per scenario whose fault hit a request
-    (a scenario whose fault failed nobody is dropped, and counted in
-    ``generate_incidents.last_dropped``)."""
-    from rca.bench.accuracy import Incident, frame_from_series
-    from rca.query import gather_evidence
-
+    (a scenario whose fault failed nobody is dropped; the fault names are in
+    ``generate_incidents.last_dropped``). Scenarios mostly wait (deadlines,
+    stalls), so ``jobs`` worker processes (default 3) run them side by side;
+    each scenario's outcome does not depend on the others."""
     scenarios = make_scenarios(n, seed, types=types)
-    out: list[Any] = []
-    dropped: list[str] = []
+    jobs = 3 if jobs is None else max(1, jobs)
+    keep = keep_dir is not None
     base = Path(tempfile.mkdtemp(prefix="rca-lab-")) if keep_dir is None else keep_dir
+    results: dict[str, Any] = {}
     try:
-        for i, sc in enumerate(scenarios):
-            d = base / sc.scenario_id
-            d.mkdir(parents=True, exist_ok=True)
-            store = Store(d / "lab.duckdb")
-            res = run_scenario(sc, store, d)
-            if res.incident_trace is None:
-                dropped.append(sc.primary)
-            else:
-                gathered = gather_evidence(res.incident_trace, store)
-                frame = frame_from_series(res.series) if res.series else None
-                out.append(
-                    Incident(
-                        incident_id=sc.scenario_id,
-                        fault=sc.primary,
-                        family=res.family,
-                        code=res.code,
-                        gathered=gathered,
-                        frame=frame,
-                        inject_time=res.inject_ns / 1e9 if res.inject_ns else None,
-                        column_codes=dict(res.series_codes),
-                    )
-                )
-            if keep_dir is None:
-                shutil.rmtree(d, ignore_errors=True)
-            if progress is not None:
-                progress(i + 1, len(scenarios))
+        if jobs == 1:
+            for i, sc in enumerate(scenarios):
+                results[sc.scenario_id] = _incident(sc, base, keep)
+                if progress is not None:
+                    progress(i + 1, len(scenarios))
+        else:
+            import concurrent.futures as cf
+            import multiprocessing as mp
+
+            ctx = mp.get_context("spawn")  # torch and threads: never fork
+            with cf.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init) as pool:
+                futs = {pool.submit(_incident, sc, base, keep): sc for sc in scenarios}
+                for done, fut in enumerate(cf.as_completed(futs), 1):
+                    results[futs[fut].scenario_id] = fut.result()
+                    if progress is not None:
+                        progress(done, len(scenarios))
     finally:
-        if keep_dir is None:
+        if not keep:
             shutil.rmtree(base, ignore_errors=True)
-    generate_incidents.last_dropped = dropped  # type: ignore[attr-defined]
-    return out
+    out = [results[sc.scenario_id] for sc in scenarios]
+    generate_incidents.last_dropped = [r for r in out if isinstance(r, str)]  # type: ignore[attr-defined]
+    return [r for r in out if not isinstance(r, str)]

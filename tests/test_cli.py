@@ -37,7 +37,9 @@ def test_demo_example_answers_every_incident_with_the_planted_cause(tmp_path: Pa
     chains = {tuple(i["causes"][0]["chain"]) for i in report["incidents"]}
     assert ("GPU_XID_48", "KV_BLOCK_HASH_MISMATCH", "LOGITS_NAN", "HTTP_500") in chains
     # idempotent: a second run adds nothing and answers the same
-    again = json.loads(runner.invoke(app, ["demo", "--example", "xid48_ecc", "--db", str(db), "--json"]).output)
+    again = json.loads(
+        runner.invoke(app, ["demo", "--example", "xid48_ecc", "--db", str(db), "--json"]).output
+    )
     assert again["incidents"] == report["incidents"]
     with __import__("duckdb").connect(str(db), read_only=True) as con:
         assert con.execute("SELECT count(*) FROM spans").fetchone()[0] == 12

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -26,6 +26,10 @@ bench_app = typer.Typer(help="Benchmarks that print figures.", no_args_is_help=T
 app.add_typer(bench_app, name="bench")
 probe_app = typer.Typer(help="Run a probe on this machine.", no_args_is_help=True)
 app.add_typer(probe_app, name="probe")
+lab_app = typer.Typer(
+    help="The fault-injection lab (a small serving stack on CPU).", no_args_is_help=True
+)
+app.add_typer(lab_app, name="lab")
 
 DbOpt = Annotated[
     Path | None,
@@ -158,16 +162,40 @@ def traces(
 def demo(
     db: DbOpt = None,
     as_json: JsonOpt = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Three replicas instead of six.")] = False,
+    seed: Annotated[int | None, typer.Option("--seed", help="Repeatable run.")] = None,
+    example: Annotated[
+        str | None,
+        typer.Option("--example", help="Load a bundled example instead of the lab (xid48_ecc)."),
+    ] = None,
 ) -> None:
-    """Load the bundled example incident into the store and answer it."""
-    from rca.demo import run_demo
+    """Run the fault-injection lab with injected faults and answer every incident."""
+    from rca.demo import run_demo, run_lab_demo
     from rca.render import print_demo
 
-    report = run_demo(db=db)
+    if example is not None:
+        report = run_demo(db=db, name=example)
+    else:
+        report = run_lab_demo(db=db, quick=quick, seed=seed, progress=_demo_progress(as_json))
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         print_demo(_console(), report)
+
+
+def _demo_progress(quiet: bool) -> Any:
+    """A progress line on stderr while the lab runs (only on a terminal)."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+
+    err = Console(stderr=True)
+
+    def show(done: int, total: int, name: str) -> None:
+        if done < total:
+            err.print(f"[dim]lab replica {done + 1}/{total}: injecting {name}...[/dim]")
+
+    return show
 
 
 @app.command()
@@ -289,6 +317,45 @@ def probe_nvml(
     from probes.nvml import run_cli
 
     raise typer.Exit(run_cli(once=once, interval=interval, db=db, spool=spool, as_json=as_json))
+
+
+@lab_app.command("serve")
+def lab_serve(
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    run_dir: Annotated[
+        Path | None,
+        typer.Option("--run-dir", help="Where engine.log, kern.log and the spool go."),
+    ] = None,
+    spec_k: Annotated[int, typer.Option(help="Speculative tokens per step (0: off).")] = 0,
+) -> None:
+    """Serve the lab engine over HTTP (OpenAI-style /v1/completions, /metrics, /health)."""
+    import socket
+
+    from rca.lab.engine import LabEngine
+    from rca.lab.model import LabConfig
+    from rca.lab.server import serve
+
+    where = run_dir or Path("lab-run")
+    engine = LabEngine(LabConfig(spec_k=spec_k), where, host=socket.gethostname())
+    if not engine.loaded:
+        raise RcaError(f"the lab engine failed to load: {engine.load_error}")
+    typer.echo(f"lab: serving on http://{host}:{port} (logs and spool in {where})")
+    serve(engine, host=host, port=port)
+
+
+@app.command()
+def dashboard(
+    db: DbOpt = None,
+    port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1.")] = 8501,
+    no_browser: Annotated[
+        bool, typer.Option("--no-browser", help="Do not open a browser tab.")
+    ] = False,
+) -> None:
+    """Start the Streamlit dashboard (read-only) on localhost and print its URL."""
+    from app.launch import run_dashboard
+
+    raise typer.Exit(run_dashboard(db, port=port, open_browser=not no_browser, echo=typer.echo))
 
 
 @app.command()
@@ -432,6 +499,69 @@ def bench_probes(
 
     res = run_probe_bench(device=device, reps=reps)
     _print_figures(res, as_json)
+
+
+@bench_app.command("accuracy")
+def bench_accuracy(
+    incidents: Annotated[int, typer.Option(help="Lab incidents to generate.")] = 300,
+    seed: Annotated[int, typer.Option(help="Seed for the scenarios and the split.")] = 0,
+    split: Annotated[
+        float, typer.Option(help="Fraction of incidents (per fault type) used for calibration.")
+    ] = 0.5,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds CIRCA may take per incident (0: no limit).")
+    ] = 30.0,
+    save_weights: Annotated[
+        Path | None, typer.Option(help="Write the calibrated weights to this TOML/JSON file.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """AC@1/AC@3/Avg@5 of the ranking vs baselines (incl. RCAEval's) on lab incidents."""
+    import contextlib
+
+    from rca.bench.accuracy import print_accuracy, run_accuracy_bench
+
+    with contextlib.ExitStack() as stack:
+        progress = None
+        if not as_json and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress
+
+            prog = stack.enter_context(
+                Progress(
+                    "[progress.description]{task.description}",
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    transient=True,
+                    console=Console(stderr=True),
+                )
+            )
+            tasks: dict[str, int] = {}
+
+            def progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = prog.add_task(stage, total=total)
+                prog.update(tasks[stage], completed=done, total=total)
+
+        res = run_accuracy_bench(
+            incidents, seed, split, progress=progress, rcaeval_timeout_s=timeout or None
+        )
+    if save_weights is not None:
+        from rca.engine import Weights
+
+        cal = res["calibration"]
+        Weights.from_dict(res["weights"]).save(
+            save_weights,
+            comment=(
+                f"rca bench accuracy --incidents {incidents} --seed {seed} --split {split}: "
+                f"{cal['source']} on {cal['train']} training incidents, "
+                f"held-out AC@1 {res['ours'].get('ac1')}"
+            ),
+        )
+    if as_json:
+        typer.echo(json.dumps(res))
+    else:
+        print_accuracy(_console(), res)
 
 
 def main() -> None:

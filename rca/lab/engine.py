@@ -676,6 +676,15 @@ class LabEngine:
                 self._fatal(exc)
             self._post_step(t0)
 
+    def sample(self) -> None:
+        """Poll NVML and append one ``series`` sample now (an observer's scrape)."""
+        with self._lock:
+            try:
+                self.poller.poll_once()
+                self._sample(0.0)
+            except Exception as exc:  # bookkeeping must not kill the engine
+                self.log_exception(exc, where="metrics.py:120", message="Error in engine metrics")
+
     def _idle_tick(self) -> None:
         if self._calls % max(1, self.config.poll_every) == 0:
             try:

@@ -279,6 +279,7 @@ async def _drive(
     max_s: float,
     scrape: Callable[[], None],
     scrape_s: float = 0.15,
+    tail_samples: int = 15,
 ) -> list[RequestLog]:
     """Send the workload through the ASGI app (arrivals in ticks of ``tick_s``)
     while the engine steps on its own thread, as a server does."""
@@ -330,6 +331,9 @@ async def _drive(
         if not t.done():
             t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    for _ in range(tail_samples):  # keep observing a little after the last answer
+        engine.sample()
+        await asyncio.sleep(tick_s)
     scrape()
     return logs
 

@@ -155,7 +155,12 @@ def rank_gathered(
     weights: Weights | None = None,
     top: int = 5,
 ) -> tuple[str | None, list[RootCause]]:
-    """Rank the root causes in ``gathered`` on the default topology."""
+    """Rank the root causes in ``gathered`` on the default topology.
+
+    Observed codes the topology does not connect to the symptom stay in the
+    answer, last, with an explicitly inferred weak link: an unexplained error
+    on the trace is worth showing, never worth hiding.
+    """
     return rank_root_causes(
         default_topology(),
         gathered.evidence,
@@ -166,6 +171,7 @@ def rank_gathered(
         top=top,
         extra_edges=gathered.extra_edges,
         drop_edges=gathered.drop_edges,
+        unconnected=True,
     )
 
 

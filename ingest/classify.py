@@ -3,8 +3,10 @@
 1. One combined regex of every catalog pattern (Rust regex through polars)
    selects the candidate lines: most server output is dropped here at
    millions of lines per second.
-2. Each pattern runs (vectorized) over the candidates only; a line takes the
-   code whose pattern matched the longest span (the most specific).
+2. Each pattern runs over the candidates only; when several codes match a
+   line, a specific code beats a catch-all, a cause beats an engine_crash
+   wrapper that quotes it, then the longest matched span wins (see
+   :func:`match_rank`).
 3. Lines no pattern knows but that look like errors go to a learned fallback
    (scikit-learn: TF-IDF over words and character n-grams + logistic
    regression, trained on the catalog's examples and on ordinary server
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from collections.abc import Sequence
@@ -32,6 +35,7 @@ __all__ = [
     "Normalizer",
     "default_normalizer",
     "required_literals",
+    "match_rank",
     "ERRORISH",
 ]
 
@@ -143,6 +147,18 @@ def _coerce(v: str) -> Any:
     return int(v) if v.isdigit() and len(v) < 19 else v
 
 
+def match_rank(code: Code, match: re.Match[str]) -> tuple[int, int, int]:
+    """Which of several codes matching one line wins: a specific code over a
+    catch-all (``*_OTHER``), then a cause over a wrapper (an ``engine_crash``
+    line such as "Failed to initialize executor on rank 0: CUDA out of memory"
+    quotes its cause, and the cause is the evidence), then the longest span."""
+    return (
+        not code.name.endswith("_OTHER"),
+        code.family != "engine_crash",
+        match.end() - match.start(),
+    )
+
+
 class Batch:
     """Results of one batch: ``matches`` maps a line index to (code, confidence,
     fields, method); lines absent from it carry no fault evidence."""
@@ -247,10 +263,15 @@ class _Fallback:
 
 
 _NUM = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
+#: Log-level words: whether a line goes to the model at all is decided by
+#: ERRORISH; its family must come from what the line says, not from its level
+#: (with the level kept, any "ERROR <vague text>" line scored as engine_crash).
+_LEVEL = re.compile(r"\b(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL|FATAL|TRACE)\b:?")
 
 
 def _strip_numbers(text: str) -> str:
-    return _NUM.sub("0", text)
+    """The text the model sees: numbers and hex collapsed, log levels dropped."""
+    return _NUM.sub("0", _LEVEL.sub(" ", text))
 
 
 class Normalizer:
@@ -288,6 +309,14 @@ class Normalizer:
                     self._by_literal.setdefault(lit.lower(), []).append(i)
         self._literals = sorted(self._by_literal)
 
+    def retrained(self, training: Sequence[tuple[str, str | None]]) -> Normalizer:
+        """A copy sharing the compiled patterns whose fallback learns from
+        ``training`` instead (cross-validation folds, held-out scoring)."""
+        other = copy.copy(self)
+        other._training = list(training)
+        other._fallback = None
+        return other
+
     # -- batches -------------------------------------------------------------
     def classify_batch(self, lines: Sequence[str]) -> Batch:
         """Columnar results for a batch: only matched lines cost Python work."""
@@ -306,12 +335,12 @@ class Normalizer:
             for idx, lits in zip(cand.tolist(), found.to_list(), strict=True):
                 text = lines[idx]
                 rule_ids = {r for lit in lits for r in self._by_literal[lit.lower()]}
-                best, best_len = None, -1
+                best, best_key = None, (-1, -1, -1)
                 for r in sorted(rule_ids.union(self._no_literal)):
                     rx, code = self._rules[r]
                     mt = rx.search(text)
-                    if mt is not None and mt.end() - mt.start() > best_len:
-                        best, best_len = (mt, code), mt.end() - mt.start()
+                    if mt is not None and (key := match_rank(code, mt)) > best_key:
+                        best, best_key = (mt, code), key
                 if best is None:
                     hit[idx] = False
                     continue

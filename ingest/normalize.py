@@ -1,8 +1,9 @@
 """Text -> catalog code: the catalog's patterns compiled once and applied per line.
 
 This is the reference (pure Python ``re``) classifier. It picks, for each line,
-the code whose pattern matches the longest span (the most specific), and
-returns the named groups as extracted fields.
+the code :func:`ingest.classify.match_rank` ranks first (specific over
+catch-all, cause over engine_crash wrapper, longest span), and returns the named groups as
+extracted fields.
 """
 
 from __future__ import annotations
@@ -34,16 +35,17 @@ class LineClassifier:
         ]
 
     def classify(self, line: str) -> Match | None:
+        from ingest.classify import match_rank
+
         best: Match | None = None
-        best_len = -1
+        best_key = (-1, -1, -1)
         for rx, code in self._rules:
             m = rx.search(line)
             if m is None:
                 continue
-            length = m.end() - m.start()
-            if length > best_len:
+            if (key := match_rank(code, m)) > best_key:
                 fields = {k: _coerce(v) for k, v in m.groupdict().items() if v is not None}
-                best, best_len = Match(code, fields, (m.start(), m.end())), length
+                best, best_key = Match(code, fields, (m.start(), m.end())), key
         return best
 
 

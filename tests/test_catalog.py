@@ -188,3 +188,40 @@ def test_ordinary_info_lines_match_no_code(shipped) -> None:
         "2024-05-01T12:00:00.000Z INFO text_generation_router: router/src/main.rs:300: Connected",
     ]
     assert [clf.classify(line) for line in benign] == [None] * len(benign)
+
+
+def test_catch_all_codes_lose_to_specific_ones(shipped) -> None:
+    """GPU_XID_OTHER only wins when no specific Xid code matches; NVLink-class
+    Xids land in interconnect even when the PCI id is masked."""
+    from ingest.normalize import LineClassifier
+
+    clf = LineClassifier(shipped)
+    xid77 = "NVRM: Xid (PCI:0000:3b:00): 77, pid=2113, name=python3, Channel 0x00000018"
+    assert clf.classify(xid77).code.name == "GPU_XID_OTHER"
+    xid48 = (
+        "NVRM: Xid (PCI:0000:07:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable "
+        "double bit error (DBE) has been detected on GPU in the framebuffer at physAddr "
+        "0x7fffa8860 partition 7, subpartition 1."
+    )
+    assert clf.classify(xid48).code.name == "GPU_XID_48"
+    masked = "NVRM: Xid (PCI:...): 136, link training failed"
+    assert clf.classify(masked).code.family == "interconnect"
+
+
+def test_a_wrapper_line_yields_the_cause_it_quotes(shipped) -> None:
+    """engine_crash wrappers ("Exception in worker ... while processing method
+    init_device: <cause>") lose to the cause's code on the same line, in both
+    classifiers."""
+    from ingest.classify import Normalizer
+    from ingest.normalize import LineClassifier
+
+    line = (
+        "(VllmWorkerProcess pid=13359) ERROR 08-02 18:15:15 multiproc_worker_utils.py:226] "
+        "Exception in worker VllmWorkerProcess while processing method init_device: Cannot "
+        "re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use "
+        "the 'spawn' start method"
+    )
+    assert LineClassifier(shipped).classify(line).code.name == "CUDA_FORK_REINIT"
+    assert Normalizer(shipped, fallback=False).classify_line(line).code == "CUDA_FORK_REINIT"
+    wrapper_only = line.split(": Cannot")[0]
+    assert LineClassifier(shipped).classify(wrapper_only).code.family == "engine_crash"

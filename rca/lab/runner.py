@@ -54,6 +54,19 @@ PROMPTS = (
 )
 
 
+#: Background noise on a healthy replica, in the kernel's own words: a corrected
+#: PCIe error, a row marked for remapping, a contained ECC error in another
+#: process's channel. Each lands in kern.log at a random tick of the run.
+NOISE_KERNEL_LINES = (
+    "pcieport 0000:00:03.1: AER: Corrected error received: 0000:3b:00.0",
+    "nvidia 0000:3b:00.0: PCIe Bus Error: severity=Corrected, type=Physical Layer, (Receiver ID)",
+    "NVRM: Xid (PCI:0000:3b:00): 63, pid='<unknown>', name=<unknown>, Row Remapper: New row "
+    "(0x00000000003f7d20) Marked for Remap",
+    "NVRM: Xid (PCI:0000:3b:00): 94, pid=4123, name=python3, Contained: CE User Channel (0x9). "
+    "RST: No, D-RST: No",
+)
+
+
 @dataclass
 class Scenario:
     scenario_id: str
@@ -65,6 +78,8 @@ class Scenario:
     at_step: int = 20
     noise_bad_client: bool = False
     tight_pool: bool = False
+    #: (tick, line) kernel noise lines written during the run
+    noise_kernel: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -213,6 +228,10 @@ def make_scenarios(
                 at_step=rng.randint(12, 40),
                 noise_bad_client=rng.random() < 0.35,
                 tight_pool=rng.random() < 0.5,
+                noise_kernel=[
+                    (rng.randrange(0, 60), rng.choice(NOISE_KERNEL_LINES))
+                    for _ in range(rng.choice((0, 0, 1, 1, 2)))
+                ],
             )
         )
     return out
@@ -280,6 +299,7 @@ async def _drive(
     scrape: Callable[[], None],
     scrape_s: float = 0.15,
     tail_samples: int = 15,
+    kernel_noise: list[tuple[int, str]] = (),  # type: ignore[assignment]
 ) -> list[RequestLog]:
     """Send the workload through the ASGI app (arrivals in ticks of ``tick_s``)
     while the engine steps on its own thread, as a server does."""
@@ -295,6 +315,7 @@ async def _drive(
             log.request_id = data["id"]
 
     pending = list(reqs)
+    noise = sorted(kernel_noise)
     t_end = time.monotonic() + max_s
     next_scrape = 0.0
     it = 0
@@ -320,6 +341,8 @@ async def _drive(
         for f in faults:
             if not f.armed and it >= f.at_step:
                 f.armed = True
+        while noise and noise[0][0] <= it:
+            engine.kernel_log(noise.pop(0)[1])
         if time.monotonic() >= next_scrape:  # the lab's compressed scrape interval
             scrape()
             next_scrape = time.monotonic() + scrape_s
@@ -437,7 +460,16 @@ def run_scenario(
     engine.start()
     try:
         logs = asyncio.run(
-            _drive(engine, app, reqs, faults, tick_s=tick_s, max_s=max_s, scrape=scrape)
+            _drive(
+                engine,
+                app,
+                reqs,
+                faults,
+                tick_s=tick_s,
+                max_s=max_s,
+                scrape=scrape,
+                kernel_noise=list(sc.noise_kernel),
+            )
         )
     finally:
         engine.stop()
@@ -531,7 +563,10 @@ def generate_incidents(
     try:
         if jobs == 1:
             for i, sc in enumerate(scenarios):
-                results[sc.scenario_id] = _incident(sc, base, keep)
+                try:
+                    results[sc.scenario_id] = _incident(sc, base, keep)
+                except Exception as exc:  # one broken scenario must not sink the run
+                    results[sc.scenario_id] = f"{sc.primary}: error: {exc!r}"
                 if progress is not None:
                     progress(i + 1, len(scenarios))
         else:
@@ -542,7 +577,11 @@ def generate_incidents(
             with cf.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init) as pool:
                 futs = {pool.submit(_incident, sc, base, keep): sc for sc in scenarios}
                 for done, fut in enumerate(cf.as_completed(futs), 1):
-                    results[futs[fut].scenario_id] = fut.result()
+                    sc = futs[fut]
+                    try:
+                        results[sc.scenario_id] = fut.result()
+                    except Exception as exc:  # one broken scenario must not sink the run
+                        results[sc.scenario_id] = f"{sc.primary}: error: {exc!r}"
                     if progress is not None:
                         progress(done, len(scenarios))
     finally:

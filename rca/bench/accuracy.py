@@ -23,7 +23,7 @@ import inspect
 import random
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -337,13 +337,21 @@ def run_accuracy_bench(
         raise RcaError(f"--incidents must be at least 2, not {n}")
     require_rcaeval()
     incidents = generate_lab_incidents(n, seed, progress)
-    return accuracy_report(
+    res = accuracy_report(
         incidents,
         split=split,
         seed=seed,
         progress=progress,
         rcaeval_timeout_s=rcaeval_timeout_s,
     )
+    # scenarios whose fault failed no request (nothing to rank) or that crashed
+    from rca.lab.runner import generate_incidents
+
+    dropped = list(getattr(generate_incidents, "last_dropped", []))
+    res["scenarios"] = n
+    res["dropped"] = dict(Counter(d.split(":")[0] for d in dropped))
+    res["dropped_errors"] = [d for d in dropped if ": error: " in d][:10]
+    return res
 
 
 def print_accuracy(console: Any, res: dict[str, Any]) -> None:
@@ -375,6 +383,11 @@ def print_accuracy(console: Any, res: dict[str, Any]) -> None:
             f"{f.get('seconds', 0.0):.1f}",
         )
     console.print(t)
+    if res.get("dropped"):
+        console.print(
+            f"{sum(res['dropped'].values())} of {res.get('scenarios')} scenarios gave no "
+            f"incident (their fault failed no request, or the run crashed): {res['dropped']}"
+        )
     best = res.get("best_baseline")
     ft = Table(title=f"per family: ours vs the best baseline ({best})")
     for col in ("family", "n", "ours AC@1", "ours AC@3", f"{best} AC@1", f"{best} AC@3"):

@@ -58,11 +58,14 @@ def fetch_context(
     gpus: list[str],
     request_ids: list[str],
     ids_per_group: int = 5,
+    pids: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Records in [t_start, t_end] that share a request id, GPU or host with the trace,
     aggregated per (code, scope): a busy host's thousands of warnings become a few rows.
 
-    Scope is ``request`` (same request id), ``gpu`` (same GPU) or ``host``. Records
+    Scope is ``request`` (same request id), ``other_process`` (an Xid that the
+    driver attributes to a process, 13/31/43/94, naming a pid that is not one
+    of ``pids``, the trace's own processes), ``gpu`` (same GPU) or ``host``. Records
     of other traces are kept only at layers 1-4 (shared hardware, memory and KV
     state), not their own engine/model/API symptoms. Each row carries ``n``,
     ``first_ts``, ``last_ts``, ``confidence``, ``severity``, and the earliest
@@ -74,6 +77,8 @@ def fetch_context(
         con.execute(
             "SELECT code,"
             " CASE WHEN list_contains($req, request_id) THEN 'request'"
+            "      WHEN len($pids) > 0 AND xid IN (13, 31, 43, 94) AND pid IS NOT NULL"
+            "           AND NOT list_contains($pids, pid) THEN 'other_process'"
             "      WHEN list_contains($gpus, gpu_uuid) THEN 'gpu' ELSE 'host' END AS scope,"
             " count(*) AS n, min(ts) AS first_ts, max(ts) AS last_ts,"
             " max(confidence) AS confidence, max(severity) AS severity,"
@@ -95,6 +100,7 @@ def fetch_context(
                 "t1": t_end,
                 "tid": trace_id or "",
                 "k": ids_per_group,
+                "pids": [int(p) for p in (pids or [])],
             },
         )
     )

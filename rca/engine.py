@@ -43,12 +43,26 @@ class Scope:
     REQUEST = "request"
     GPU = "gpu"
     HOST = "host"
+    #: an Xid the driver attributes to another process than the trace's own
+    OTHER_PROCESS = "other_process"
 
 
-SCOPE_WEIGHT = {Scope.TRACE: 1.0, Scope.REQUEST: 1.0, Scope.GPU: 0.8, Scope.HOST: 0.6}
+SCOPE_WEIGHT = {
+    Scope.TRACE: 1.0,
+    Scope.REQUEST: 1.0,
+    Scope.GPU: 0.8,
+    Scope.HOST: 0.6,
+    Scope.OTHER_PROCESS: 0.2,
+}
 #: Extra cost of a chain hop onto a code, by the best scope of its evidence: a
 #: chain through the trace's own evidence beats one through the host's.
-SCOPE_HOP_COST = {Scope.TRACE: 0.0, Scope.REQUEST: 0.0, Scope.GPU: 0.3, Scope.HOST: 0.5}
+SCOPE_HOP_COST = {
+    Scope.TRACE: 0.0,
+    Scope.REQUEST: 0.0,
+    Scope.GPU: 0.3,
+    Scope.HOST: 0.5,
+    Scope.OTHER_PROCESS: 1.5,
+}
 #: Strength of the link given to evidence the topology does not connect (postmortems).
 WEAK_LINK = 0.05
 #: Evidence later than the symptom by more than this cannot sit on its chain.

@@ -122,6 +122,7 @@ def gather_evidence(
             hosts=hosts,
             gpus=gpus,
             request_ids=req_ids,
+            pids=sorted({int(r["pid"]) for r in rows.records if r.get("pid") is not None}),
         )
         # a trace whose records name no GPU (probes on a host without device ids)
         # still gets NVIDIA's SM reading for the GPUs its host's evidence names

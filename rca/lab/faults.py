@@ -23,6 +23,7 @@ of the first victim that failed.
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import time
@@ -703,7 +704,7 @@ class Xid13App(Fault):
         self.mark()
         self._batch_victims(batch)
         pci = _pci(engine)
-        pid = 30000 + self.rng.randrange(9999)
+        pid = os.getpid()  # the driver names the process whose kernel faulted: the engine
         for i in range(4):
             if self.same_sm:
                 gpc, tpc, sm = 3, 1, 0

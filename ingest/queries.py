@@ -66,8 +66,9 @@ def fetch_context(
     Scope is ``request`` (same request id), ``other_process`` (an Xid that the
     driver attributes to a process, 13/31/43/94, naming a pid that is not one
     of ``pids``, the trace's own processes), ``gpu`` (same GPU) or ``host``. Records
-    of other traces are kept only at layers 1-4 (shared hardware, memory and KV
-    state), not their own engine/model/API symptoms. Each row carries ``n``,
+    of other traces, and log records of other request ids, are kept only at
+    layers 1-4 (shared hardware, memory and KV state), not their own
+    engine/model/API symptoms. Each row carries ``n``,
     ``first_ts``, ``last_ts``, ``confidence``, ``severity``, and the earliest
     ``ids_per_group`` event ids with (ts, code, source, message) for display.
     """
@@ -91,6 +92,9 @@ def fetch_context(
             "      OR list_contains($req, request_id))"
             " AND (trace_id IS NULL OR (trace_id <> $tid"
             "      AND (layer <= 4 OR list_contains($req, request_id))))"
+            # another request's own error (a log line naming its request id)
+            # cannot fail this one, unless it is shared state (layers 1-4)
+            " AND (request_id IS NULL OR list_contains($req, request_id) OR layer <= 4)"
             " GROUP BY ALL ORDER BY first_ts",
             {
                 "req": request_ids,

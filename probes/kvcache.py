@@ -43,6 +43,7 @@ __all__ = [
     "diff",
     "KVBlockChecker",
     "fingerprint_hex",
+    "PRODUCTION_VERIFY_PER_STEP",
 ]
 
 log = logging.getLogger("rca.probes.kvcache")
@@ -51,6 +52,14 @@ SOURCE = "probe:kvcache"
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (odd)
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _weights_cache: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+
+#: The recommended budget for a serving process: re-verify 4 finished blocks
+#: per step (a per-sequence cache: ``max(1, 4 // rows)`` blocks of every row).
+#: Detection latency: every finished block within ``ceil(known / 4)`` steps
+#: (``rca bench probes``: 10 blocks per row, so 10 steps). On a GPU the bytes
+#: are cheap (a block of an 8B model's cache is ~2 MB, under a microsecond of
+#: HBM bandwidth): raise it there to shorten the latency.
+PRODUCTION_VERIFY_PER_STEP = 4
 
 
 def fingerprint_hex(value: int) -> str:
@@ -181,6 +190,26 @@ def _select(t: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
     return block_fingerprints(t.index_select(0, ids))
 
 
+#: gathers of at most this many bytes go through one buffer and one reduction
+#: (a per-part loop costs ~6 small ops per part; a big gather costs a copy)
+_STACK_BYTES = 4 << 20
+
+
+def _fingerprint_parts(tensors: Sequence[torch.Tensor], ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``[len(tensors), n]`` fingerprints of blocks ``ids`` of paged tensors that
+    share a layout: one gather per part into one buffer, then one reduction for
+    all of them (not a reduction per part)."""
+    t0 = tensors[0]
+    same = all(t.shape == t0.shape and t.dtype == t0.dtype for t in tensors)
+    per_block = t0[0].numel() * t0.element_size() if t0.dim() else 0
+    if not same or n * 2 >= t0.shape[0] or n * per_block * len(tensors) > _STACK_BYTES:
+        return torch.stack([_select(t, ids, n) for t in tensors])
+    buf = torch.empty((len(tensors), n, *t0.shape[1:]), dtype=t0.dtype, device=t0.device)
+    for i, t in enumerate(tensors):
+        torch.index_select(t, 0, ids, out=buf[i])
+    return block_fingerprints(buf, lead=2)
+
+
 def snapshot(caches: Any, block_ids: Sequence[int] | None = None) -> KVSnapshot:
     """Fingerprint blocks ``block_ids`` (default: all) of a paged cache: per layer
     a tensor ``[num_blocks, ...]`` or a (K, V) pair of them."""
@@ -191,7 +220,7 @@ def snapshot(caches: Any, block_ids: Sequence[int] | None = None) -> KVSnapshot:
     ids = list(range(nblocks)) if block_ids is None else [int(b) for b in block_ids]
     dev = parts[0][2].device
     idx = torch.tensor(ids, dtype=torch.int64, device=dev)
-    fps = torch.stack([_select(t, idx, len(ids)) for _, _, t in parts])
+    fps = _fingerprint_parts([t for _, _, t in parts], idx, len(ids))
     return KVSnapshot(tuple((a, b) for a, b, _ in parts), tuple(ids), fps)
 
 
@@ -233,8 +262,16 @@ class KVBlockChecker:
     layer): :meth:`step_sequences`, which treats every full ``block_size``-token
     slice of a row as a finished block.
 
-    ``verify_per_step``: re-fingerprint at most this many known blocks per step,
-    round-robin (default: all of them every step).
+    A block is fingerprinted once, when it is sealed (paged: at the first
+    :meth:`step` after :meth:`seal`; sequences: the step its last slot is
+    written), and then re-verified. ``verify_per_step``: re-verify at most this
+    many finished blocks per step, round-robin, so a step costs O(new blocks +
+    budget) whatever the cache holds; every finished block is re-verified at
+    least once every ``ceil(known / verify_per_step)`` steps (sequences: a
+    window of ``k = max(1, verify_per_step // rows)`` blocks of every row, so
+    ``ceil(known_per_row / k)`` steps). ``None`` (the default) re-verifies every
+    finished block every step. Production: :data:`PRODUCTION_VERIFY_PER_STEP`
+    (what ``rca bench probes`` measures).
     """
 
     def __init__(
@@ -262,6 +299,7 @@ class KVBlockChecker:
         # per-sequence state
         self._seq_refs: torch.Tensor | None = None  # int64 [parts, rows, blocks]
         self._seq_blocks = 0
+        self._seq_cursor = 0
         self._seq_names: tuple[tuple[str, str], ...] = ()
         self.steps = 0
         self.mismatches = 0
@@ -365,7 +403,7 @@ class KVBlockChecker:
         new = list(self._new)
         ids = known + new
         idx = torch.tensor(ids, dtype=torch.int64, device=dev)
-        fps = torch.stack([_select(t, idx, len(ids)) for _, _, t in parts])  # [P, n]
+        fps = _fingerprint_parts([t for _, _, t in parts], idx, len(ids))  # [P, n]
         kn = len(known)
         refs = self._refs
         found: list[tuple[int, list[str], int, int, dict[str, Any]]] = []
@@ -469,25 +507,42 @@ class KVBlockChecker:
             refs = grown
         self._seq_refs, self._seq_names = refs, names
         known = min(self._seq_blocks, nb)  # a cropped cache forgets the cut blocks
-        hashes, sums = [], []
-        for _, _, t in layers:
-            view = t[:, :, : nb * block_size].unflatten(2, (nb, block_size)).transpose(1, 2)
-            h, w = _reductions(view, 2)
-            hashes.append(h)
-            sums.append(w)
-        fps = _combine(torch.stack(hashes), torch.stack(sums))  # [P, rows, nb]
+        tensors = [t for _, _, t in layers]
         found: list[tuple[int, int, int, int, dict[str, Any]]] = []
+        if known and reset_rows:  # new sequences in these rows: new references
+            refs[:, reset_rows, :known] = _seq_range(tensors, 0, known, block_size)[:, reset_rows]
         if known:
-            old = refs[:, :, :known]
-            neq = fps[:, :, :known] != old
+            lo, hi = self._seq_window(known, rows)
+            fps = _seq_range(tensors, lo, hi, block_size)  # [P, rows, hi - lo]
+            old = refs[:, :, lo:hi]
+            neq = fps != old
             if reset_rows:
                 neq[:, reset_rows] = False
             bad = neq.nonzero()  # the one host read of the step
             if bad.numel():
-                found = self._seq_found(bad.tolist(), fps, old, names)
-        refs[:, :, :nb] = fps
+                found = self._seq_found(bad.tolist(), fps, old, names, lo)
+                old.copy_(fps)  # reported once, then re-baselined
+        if nb > known:  # blocks that just filled: fingerprinted once, now
+            refs[:, :, known:nb] = _seq_range(tensors, known, nb, block_size)
         self._seq_blocks = nb
         return found
+
+    def _seq_window(self, known: int, rows: int) -> tuple[int, int]:
+        """The finished blocks re-verified this step: all of them, or with
+        ``verify_per_step`` a window of ``k = max(1, verify_per_step // rows)``
+        blocks of every row that moves round-robin (its last position is pulled
+        back to end at ``known``), so every finished block is re-verified at least
+        once every ``ceil(known / k)`` steps."""
+        budget = self.verify_per_step
+        if budget is None:
+            return 0, known
+        k = min(known, max(1, budget // max(1, rows)))
+        lo = self._seq_cursor if self._seq_cursor < known else 0
+        if lo + k >= known:
+            lo, self._seq_cursor = known - k, 0
+        else:
+            self._seq_cursor = lo + k
+        return lo, lo + k
 
     def _seq_found(
         self,
@@ -495,13 +550,14 @@ class KVBlockChecker:
         fps: torch.Tensor,
         old: torch.Tensor,
         names: tuple[tuple[str, str], ...],
+        offset: int = 0,
     ) -> list[tuple[int, int, int, int, dict[str, Any]]]:
         p, r, b = (torch.tensor(col) for col in zip(*bad, strict=True))
         new_v = fps.cpu()[p, r, b].tolist()
         old_v = old.cpu()[p, r, b].tolist()
         by_block: dict[tuple[int, int], list[tuple[str, str, int, int]]] = {}
         for (pi, ri, bi), nv, ov in zip(bad, new_v, old_v, strict=True):
-            by_block.setdefault((ri, bi), []).append((*names[pi], ov, nv))
+            by_block.setdefault((ri, offset + bi), []).append((*names[pi], ov, nv))
         return [
             (row, block, hits[0][2], hits[0][3], {"layout": "sequence", "hits": hits})
             for (row, block), hits in by_block.items()
@@ -588,3 +644,54 @@ def _sequence_layers(cache: Any) -> list[tuple[str, str, torch.Tensor]]:
                 out.append((str(i), "k", layer[0]))
                 out.append((str(i), "v", layer[1]))
     return out
+
+
+def _seq_range(tensors: Sequence[torch.Tensor], lo: int, hi: int, block_size: int) -> torch.Tensor:
+    """``[len(tensors), rows, hi - lo]`` fingerprints of blocks ``lo..hi`` of
+    per-sequence caches ``[rows, heads, seq, head_dim]``; a block is
+    ``[heads, block_size, head_dim]`` (the same value as
+    :func:`block_fingerprints` of that slice). The blocks are reduced where they
+    lie (both reductions are exact and order-free, so the weights just follow
+    the layout). A small window is copied once into one buffer for all layers
+    and reduced once; a big one is reduced layer by layer, without a copy."""
+    n = hi - lo
+    t0 = tensors[0]
+    rows, heads, _, dim = t0.shape
+    nbytes = dim * t0.element_size()
+    same = all(t.shape == t0.shape and t.dtype == t0.dtype for t in tensors)
+    if not same or t0.stride(-1) != 1 or nbytes % 8 or t0.dtype == torch.bool:
+        hashes, sums = [], []
+        for t in tensors:
+            view = t[:, :, lo * block_size : hi * block_size].unflatten(2, (n, block_size))
+            h, w = _reductions(view.transpose(1, 2), 2)
+            hashes.append(h)
+            sums.append(w)
+        return _combine(torch.stack(hashes), torch.stack(sums))
+    c = _weights((heads, block_size, nbytes // 4), t0.device).view(-1)
+    parts = [t.narrow(2, lo * block_size, n * block_size) for t in tensors]
+    if rows * heads * n * block_size * nbytes * len(parts) <= _STACK_BYTES:
+        if n > 1:  # the copy puts every block's [heads, block_size, dim] together
+            parts = [p.unflatten(2, (n, block_size)).transpose(1, 2) for p in parts]
+        flat = torch.stack(parts).view(len(parts), rows, n, -1)
+        hashed = torch.hash_tensor(flat.view(torch.int64), dim=3).view(torch.int64)
+        weighted = (flat.view(torch.int32) * c).sum(dim=3, dtype=torch.int32)
+        return _combine(hashed, weighted)
+    hashes, sums = [], []
+    for t in parts:
+        h, w = _reduce_seq(
+            t.view(rows, heads, n, block_size, dim), c.view(heads, 1, block_size, -1), 1
+        )
+        hashes.append(h)
+        sums.append(w)
+    return _combine(torch.stack(hashes), torch.stack(sums))
+
+
+def _reduce_seq(x: torch.Tensor, c: torch.Tensor, hdim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two reductions of blocks laid out ``[..., heads, n, block_size, dim]``
+    (``hdim``: the heads dimension) over heads, block_size and dim."""
+    # contiguous trailing dims first, then the heads (xor and sum both associate)
+    inner = (hdim + 2, hdim + 3)
+    hashed = torch.hash_tensor(x.view(torch.int64), dim=inner)
+    hashed = torch.hash_tensor(hashed.view(torch.int64), dim=hdim).view(torch.int64)
+    weighted = (x.view(torch.int32) * c).sum(dim=inner, dtype=torch.int32)
+    return hashed, weighted.sum(dim=hdim, dtype=torch.int32)

@@ -173,3 +173,60 @@ def test_a_broken_sink_never_raises():
     flip_bit(caches["model.layers.0.self_attn"][0], 0)
     assert len(kv.step(caches)) == 1 and kv.errors == 1
     assert kv.step("not a cache") == [] and kv.errors == 2
+
+
+def seq_cache(rows=2, blocks=10, layers=2, seed=0):
+    """Legacy per-sequence cache: per layer (K, V), each [rows, heads, seq, head_dim]."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows, 2, blocks * 4, 8)
+    return [
+        (torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(layers)
+    ]
+
+
+def test_sequence_blocks_are_fingerprinted_once_with_the_block_definition():
+    cache = seq_cache()
+    kv = KVBlockChecker(MemorySink(), verify_per_step=2)
+    assert kv.step_sequences(cache, [A, B], block_size=4) == []
+    k = cache[1][0]  # layer 1, K: [rows, heads, seq, head_dim]
+    blocks = k.unflatten(2, (10, 4)).transpose(1, 2)  # [rows, blocks, heads, 4, head_dim]
+    expected = block_fingerprints(blocks.reshape(20, 2, 4, 8)).view(2, 10)
+    assert torch.equal(kv._seq_refs[2, :, :10], expected)
+
+
+@pytest.mark.parametrize("budget", [2, 4, 6])
+def test_sequence_budget_catches_a_flip_within_the_stated_latency(budget):
+    rows, blocks = 2, 10
+    k = max(1, budget // rows)
+    bound = -(-blocks // k)  # ceil(known / k)
+    for block in range(blocks):
+        for lead in range(bound):  # the flip lands at every cursor position
+            cache = seq_cache(rows, blocks)
+            kv = KVBlockChecker(MemorySink(), verify_per_step=budget)
+            kv.step_sequences(cache, [A, B], block_size=4)
+            for _ in range(lead):
+                assert kv.step_sequences(cache, [A, B], block_size=4) == []
+            cache[0][1][1, 0, block * 4 + 2, 5] += 1.0  # layer 0, V, row 1
+            caught = [
+                (n, r.kv_block, r.trace_id, r.attrs["part"])
+                for n in range(1, bound + 1)
+                for r in kv.step_sequences(cache, [A, B], block_size=4)
+            ]
+            assert len(caught) == 1 and caught[0][1:] == (block, B, "v"), (block, lead, caught)
+            assert caught[0][0] <= bound
+
+
+def test_sequence_growth_and_reset_rows_take_new_references():
+    cache = seq_cache(rows=2, blocks=3)
+    kv = KVBlockChecker(MemorySink(), verify_per_step=2)
+    kv.step_sequences(cache, [A, B], block_size=4)
+    grown = [tuple(torch.cat((t, torch.randn(2, 2, 8, 8)), 2) for t in layer) for layer in cache]
+    assert kv.step_sequences(grown, [A, B], block_size=4) == []  # blocks 3, 4 are new
+    grown[0][0][0, 1, 17, 3] += 1.0  # row 0, block 4
+    found = [r.kv_block for _ in range(5) for r in kv.step_sequences(grown, [A, B], block_size=4)]
+    assert found == [4]
+    for t in grown[1]:
+        t[1].normal_()  # row 1 now holds another sequence
+    recs = kv.step_sequences(grown, [A, C], block_size=4, reset_rows=[1])
+    assert recs == []
+    assert [kv.step_sequences(grown, [A, C], block_size=4) for _ in range(5)] == [[]] * 5

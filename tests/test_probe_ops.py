@@ -439,6 +439,7 @@ def test_records_carry_bounded_stats_and_opt_in_snapshot_and_store_as_json():
         ck = instrument(
             model, "full", sink=sink, stats_sample=8, snapshot=snapshot, snapshot_elems=4
         )
+        assert run(ck, model, input_ids=ids()) == []  # a clean step first: planned shapes
         with poisoned(model.blocks[0][0].bias):
             recs = run(ck, model, input_ids=ids())
         ck.detach()
@@ -501,3 +502,61 @@ def test_importing_probes_and_rca_does_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_module_output_is_checked_in_the_numerical_tier():
+    """Hooks queue outputs; a layer's (or the model's) end checks them in grouped
+    sums, through a plan made on the first step. A NaN written into any one
+    leaf module's output, row 2, on a later step is found, and that module is
+    named as the first fault of the row."""
+    model = llama()
+    names = {m: n for n, m in model.named_modules()}
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    checked = 0
+    for mod in leaves:
+        hit: dict[str, bool] = {}
+
+        def inject(module, args, output, hit=hit):
+            x = output if isinstance(output, torch.Tensor) else output[0]
+            if hit.get("armed") and isinstance(x, torch.Tensor) and x.is_floating_point():
+                x[2].view(-1)[1] = math.nan
+                hit["done"] = True
+
+        ck = instrument(model, "numerical", sink=MemorySink())
+        handle = mod.register_forward_hook(inject, prepend=True)
+        try:
+            assert run(ck, model, input_ids=ids()) == []  # plans the shapes
+            hit["armed"] = True
+            recs = run(ck, model, input_ids=ids())
+        finally:
+            handle.remove()
+            ck.detach()
+        if not hit.get("done"):
+            continue  # no float output (an embedding's ids, say)
+        checked += 1
+        rows = [r for r in recs if r.attrs.get("row") == 2 and r.attrs["check"] == "numerical"]
+        first = min(rows, key=lambda r: "downstream" not in r.attrs)  # the row's head record
+        name = names[mod] or "<root>"
+        assert first.attrs["module"] == name, (name, [r.attrs["module"] for r in rows])
+        assert first.attrs["kind"] == "nan" and first.trace_id == TRACES[2]
+        assert all(r.attrs.get("row") == 2 for r in recs if r.attrs["check"] == "numerical")
+    assert checked >= 20
+
+
+def test_a_sum_that_overflows_on_finite_values_is_not_a_fault():
+    ck = Checker(MemorySink())
+    big = torch.full((4, 8), 3e38)
+    bad = big.clone()
+    bad[3, 5] = math.inf
+    ck.begin_step(TRACES)
+    ck.check("big", big)  # every row sums past float32's max: still finite values
+    ck.check("bad", bad)
+    recs = ck.end_step()
+    assert [(r.attrs["site"], r.attrs["row"], r.attrs["kind"]) for r in recs] == [
+        ("bad", 3, "+inf")
+    ]
+    assert recs[0].attrs["max"] == "inf" and recs[0].attrs["min"] == _num_f32_max()
+
+
+def _num_f32_max():
+    return float(f"{3e38:.6g}")

@@ -13,8 +13,11 @@ compared with the model without any hook:
 * ``numerical``: NaN/inf/range on the output of every module;
 * ``full``: the ``full`` tier on every module (all outputs, bounded samples,
   KV length and shape checks, allocator counters);
-* ``kv_fingerprint``: no operator checks; every step fingerprints every finished
-  16-token block of the KV cache and compares it with its reference.
+* ``kv_fingerprint``: no operator checks; KV fingerprints in the configuration
+  recommended for production (:data:`probes.kvcache.PRODUCTION_VERIFY_PER_STEP`
+  blocks re-verified per step, round-robin; a 16-token block is fingerprinted
+  once, when it fills). The result carries that configuration (``kv_config``)
+  with its detection latency in steps.
 
 torch is imported inside the functions only (``import rca`` must stay light).
 """
@@ -25,7 +28,7 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["run_probe_bench", "MODES", "SHAPE"]
+__all__ = ["run_probe_bench", "kv_config", "MODES", "SHAPE"]
 
 MODES = ("off", "default", "numerical", "full", "kv_fingerprint")
 SHAPE = {
@@ -168,6 +171,23 @@ def _twin(model: Any, kind: str, device: Any, seed: int) -> Any:
     return twin.to(device).eval()
 
 
+def kv_config() -> dict[str, Any]:
+    """The KV fingerprint configuration the bench measures: production's."""
+    from probes.kvcache import PRODUCTION_VERIFY_PER_STEP
+
+    return {"verify_per_step": PRODUCTION_VERIFY_PER_STEP}
+
+
+def _kv_latency(verify_per_step: int | None) -> int:
+    """Steps within which every finished block of the bench's cache (at its
+    longest) is re-verified at least once."""
+    blocks = (SHAPE["prompt"] + SHAPE["decode_steps"]) // SHAPE["kv_block"]
+    if verify_per_step is None:
+        return 1
+    k = max(1, verify_per_step // SHAPE["batch"])
+    return -(-blocks // k)
+
+
 class _Lane:
     """One mode's generation, advanced one step at a time."""
 
@@ -183,15 +203,17 @@ class _Lane:
         if mode in ("default", "numerical", "full"):
             self.checker = instrument(model, mode, sink=self.sink)
         elif mode == "kv_fingerprint":
-            self.kv = KVBlockChecker(self.sink)
+            self.kv = KVBlockChecker(self.sink, **kv_config())
         self.cache: Any = None
         if hf:
             from transformers.cache_utils import DynamicCache
 
             self.cache = DynamicCache(config=model.config)
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def step(self, sync: Any) -> None:
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         ck = self.checker
         if ck is not None:
@@ -208,6 +230,7 @@ class _Lane:
             self.kv.step_sequences(self.cache, self.traces, block_size=SHAPE["kv_block"])
         sync()
         self.times.append(time.perf_counter() - t0)
+        self.cpu_times.append(time.thread_time() - c0)
 
     def close(self) -> None:
         if self.checker is not None:
@@ -248,6 +271,7 @@ def run_probe_bench(
         ids = torch.randint(0, SHAPE["vocab"], shape, generator=g).to(dev)
         traces = [f"{seed:08x}{i:024x}" for i in range(SHAPE["batch"])]
         runs: list[dict[str, list[float]]] = []
+        cpu_runs: list[dict[str, list[float]]] = []
         with torch.inference_mode():
             for rep in range(warmup + reps):
                 lanes = [_Lane(m, models[m], hf, ids, traces) for m in MODES]
@@ -261,15 +285,16 @@ def run_probe_bench(
                         lane.close()
                 if rep >= warmup:
                     runs.append({lane.mode: lane.times for lane in lanes})
+                    cpu_runs.append({lane.mode: lane.cpu_times for lane in lanes})
     finally:
         torch.set_num_threads(old_threads)
 
-    def per_rep(mode: str, part: str) -> list[float]:
+    def per_rep(mode: str, part: str, source: list[dict[str, list[float]]] = runs) -> list[float]:
         pick = {"total": slice(None), "prefill": slice(0, 1), "decode": slice(1, None)}[part]
-        return [sum(r[mode][pick]) * 1e3 for r in runs]
+        return [sum(r[mode][pick]) * 1e3 for r in source]
 
-    def ratio(mode: str, part: str) -> float:
-        a, b = per_rep(mode, part), per_rep("off", part)
+    def ratio(mode: str, part: str, source: list[dict[str, list[float]]] = runs) -> float:
+        a, b = per_rep(mode, part, source), per_rep("off", part, source)
         return round(statistics.median(x / y for x, y in zip(a, b, strict=True)), 4)
 
     steps = SHAPE["decode_steps"]
@@ -284,7 +309,16 @@ def run_probe_bench(
     out: dict[str, Any] = {f"ratio_{m}": ratio(m, "total") for m in MODES if m != "off"}
     out["ratio_prefill"] = {m: ratio(m, "prefill") for m in MODES if m != "off"}
     out["ratio_decode"] = {m: ratio(m, "decode") for m in MODES if m != "off"}
+    # the same ratios on this thread's CPU time (a shared machine's preemption
+    # drops out; the work the probes add stays)
+    out["ratio_cpu_time"] = {m: ratio(m, "total", cpu_runs) for m in MODES if m != "off"}
     out["ms"] = ms
+    kv = kv_config()
+    out["kv_config"] = {
+        **kv,
+        "block_size": SHAPE["kv_block"],
+        "detection_latency_steps": _kv_latency(kv["verify_per_step"]),
+    }
     off = per_rep("off", "total")
     out["off_total_ms_range"] = [round(min(off), 3), round(max(off), 3)]
     out.update(

@@ -265,6 +265,7 @@ class LabEngine:
         self.kv_checker = KVBlockChecker(sink, verify_per_step=cfg.kv_verify_per_step)
 
         self.step_no = 0
+        self._stalled = False
         self.dead = False
         self.loaded = False
         self.load_error: BaseException | None = None
@@ -607,7 +608,7 @@ class LabEngine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             busy = self.scheduler.has_work() and self.loaded and not self.dead
-            if not busy:
+            if not busy or self._stalled:  # idle, or waiting for blocks: do not spin
                 self._wake.wait(0.02)
                 self._wake.clear()
             self.step()
@@ -668,7 +669,9 @@ class LabEngine:
             if sb is None or not sb.rows:
                 self._release_pending()
                 self._idle_tick()
+                self._stalled = sb is not None  # work waiting, nothing schedulable
                 return
+            self._stalled = False
             self.step_no += 1
             try:
                 self._run(sb.rows)

@@ -309,6 +309,8 @@ def rank_root_causes(
         # symptom gets a weak, explicitly inferred link
         effects = descendants(g, symptom)  # what the symptom itself explains
         for code in {e.code for e in evidence} - {symptom} - effects:
+            if code.startswith("HTTP_"):  # another response's status is a symptom, not a cause
+                continue
             if code in g and symptom in g and not nx.has_path(g, code, symptom):
                 g.add_edge(code, symptom, **{STRENGTH: WEAK_LINK, COST: -math.log(WEAK_LINK)})
     by_code: dict[str, list[Evidence]] = defaultdict(list)

@@ -99,6 +99,10 @@ TRACEBACK_BOILERPLATE: tuple[str, ...] = (
     "For debugging consider passing CUDA_LAUNCH_BLOCKING=1",
     "For debugging consider passing CUDA_LAUNCH_BLOCKING=1.",
     "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.",
+    "HIP kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect.",
+    "For debugging consider passing AMD_SERIALIZE_KERNEL=3",
+    "Compile with `TORCH_USE_HIP_DSA` to enable device-side assertions.",
     "Exception in callback functools.partial(<function _log_task_completion at 0x7f3b2c1e8c10>, "
     "error_callback=<bound method AsyncLLMEngine._error_callback of "
     "<vllm.engine.async_llm_engine.AsyncLLMEngine object at 0x7f3b2a9d4b50>>)",

@@ -268,6 +268,8 @@ def _parse_batch(
             key = pci_key(m["pci"])
             if key:
                 st.gpu_map[key] = m["uuid"]
+    # frames and source lines inside a traceback are code, never evidence
+    # (classify_batch leaves them out)
     matches = norm.classify_batch(texts).matches
     tb_of: dict[int, tuple[Traceback, int]] = {}
     for tb in tbs:

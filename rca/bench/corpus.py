@@ -43,7 +43,7 @@ def evaluate_corpus(
     *,
     folds: int = 5,
     seed: int = 0,
-    threshold: float = 0.6,
+    threshold: float | None = None,
 ) -> dict[str, Any]:
     """Score a labelled corpus. With ``folds`` >= 2 the fallback is trained on the
     other folds of this corpus (cross-validation); with ``folds`` = 0 the corpus
@@ -133,6 +133,7 @@ def evaluate_corpus(
         "benign_flagged": len(flagged),
         "benign_flagged_share": round(len(flagged) / len(benign), 4) if benign else None,
         "per_family": {k: dict(v) for k, v in sorted(per_family.items())},
+        "by_round": _by_round(errors, got),
         "misses": misses,
         "flagged_benign": [{"text": x[:160], "code": c} for x, c in flagged],
     }
@@ -159,4 +160,24 @@ def evaluate_corpus(
         out["crashlogs_top1"] = sum(a["top1"] for a in answers.values())
         out["crashlogs_family_top1"] = sum(a["family_top1"] for a in answers.values())
         out["crashlog_answers"] = answers
+    return out
+
+
+def _by_round(errors: list[dict[str, Any]], got: list[Any]) -> dict[str, dict[str, Any]]:
+    """Family accuracy and precision per gathering round (a line's optional
+    ``round`` field; lines without one are from the first rounds): a gate on the
+    earlier lines still catches regressions when a later round adds harder text."""
+    groups: dict[str, list[tuple[str, str | None]]] = defaultdict(list)
+    for e, res in zip(errors, got, strict=True):
+        groups[str(e.get("round", "1-2"))].append((e["family"], res.family))
+    out = {}
+    for name, pairs in sorted(groups.items()):
+        n = len(pairs)
+        right = sum(want == fam for want, fam in pairs)
+        answered = sum(fam is not None for _, fam in pairs)
+        out[name] = {
+            "error_lines": n,
+            "family_accuracy": round(right / n, 4),
+            "precision_when_answered": round(right / answered, 4) if answered else None,
+        }
     return out

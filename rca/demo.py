@@ -16,6 +16,7 @@ is idempotent: a second run adds nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -192,7 +193,18 @@ def run_lab_demo(
                 noise_bad_client=i % 2 == 0,
                 tight_pool=i % 3 == 0,
             )
-            outcomes.append(run_scenario(sc, store, Path(work)))
+            out = run_scenario(sc, store, Path(work))
+            for retry in range(2):  # the fault met no request (it can act between requests)
+                if out.incident_trace is not None:
+                    break
+                sc = dataclasses.replace(
+                    sc,
+                    scenario_id=f"{sc.scenario_id}r{retry}",
+                    host=f"{sc.host}r{retry}",  # a fresh replica: no evidence carried over
+                    seed=sc.seed + 1000 * (retry + 1),
+                )
+                out = run_scenario(sc, store, Path(work))
+            outcomes.append(out)
         if progress is not None:
             progress(len(faults), len(faults), "done")
     statuses: dict[int, int] = {}

@@ -61,10 +61,22 @@ class Fault:
         return {}
 
     def workload(self) -> list[dict[str, Any]]:
-        """Extra requests: dicts with ``at`` (arrival step), ``body`` (JSON body),
-        optionally ``path`` (default /v1/completions) and ``victim`` (True: a
-        victim of this fault by construction)."""
-        return []
+        """Extra requests: dicts with ``at`` (arrival tick), ``body`` (JSON body),
+        optionally ``path`` (default /v1/completions), ``victim`` (True: a
+        victim of this fault by construction) and ``traffic`` (True: ordinary
+        requests that only make sure something is in flight when the fault
+        acts; sending them does not mark the injection time).
+
+        By default: three ordinary requests arriving just after the fault is
+        armed, so a fault inside the engine always meets traffic."""
+        return [
+            {
+                "at": self.at_step + i,
+                "body": {"prompt": f"status report {i} for the on-call rotation", "max_tokens": 24},
+                "traffic": True,
+            }
+            for i in range(3)
+        ]
 
     def family(self) -> str:
         from graph.catalog import default_catalog
@@ -110,7 +122,11 @@ def _full_blocks(batch: Any, engine: Any) -> list[tuple[str, int]]:
     """(trace id, block id) of finished blocks that rows of the batch read."""
     out: list[tuple[str, int]] = []
     bs = engine.config.block_size
-    for tid, table, n in zip(batch.trace_ids, batch.block_tables, batch.context_lens, strict=False):
+    prefill = list(getattr(batch, "prefill_rows", []) or [False] * len(batch.trace_ids))
+    rows = zip(batch.trace_ids, batch.block_tables, batch.context_lens, prefill, strict=False)
+    for tid, table, n, pf in rows:
+        if pf:  # a row still prefilling rewrites its cache this step
+            continue
         full = int(n) // bs
         out += [(tid, int(b)) for b in table.tolist()[:full]]
     return out
@@ -205,7 +221,7 @@ class KVBitFlip(Fault):
     def after_step(self, engine: Any, batch: Any) -> None:
         # after this step's forward: the KV probe's check at the end of the step
         # sees the change, the next step's attention reads the bad values
-        if self.fired or not self.armed or batch.is_prefill:
+        if self.fired or not self.armed:
             return
         blocks = _full_blocks(batch, engine)
         if not blocks:
@@ -666,7 +682,7 @@ class Xid48DBE(Fault):
     scripted: ClassVar[bool] = True
 
     def after_step(self, engine: Any, batch: Any) -> None:
-        if self.fired or not self.armed or batch.is_prefill:
+        if self.fired or not self.armed:
             return
         blocks = _full_blocks(batch, engine)
         if not blocks:

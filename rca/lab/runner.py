@@ -282,7 +282,8 @@ def _workload(sc: Scenario, faults: list[Any], rng: random.Random) -> list[dict[
             r["body"] = body
             if r.pop("victim", False):
                 r["victim_of"] = f.name
-            r["fault"] = f.name
+            if not r.pop("traffic", False):
+                r["fault"] = f.name
             reqs.append(r)
     reqs.sort(key=lambda r: r["at"])
     return reqs

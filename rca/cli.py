@@ -176,6 +176,14 @@ def demo(
     if example is not None:
         report = run_demo(db=db, name=example)
     else:
+        try:
+            import probes.fake_nvml  # noqa: F401
+            import rca.lab.runner  # noqa: F401  (torch, uvicorn, nvidia-ml-py)
+        except ModuleNotFoundError as exc:
+            raise RcaError(
+                f"the lab needs {exc.name}: run `bash scripts/setup.sh` (the lab extra), "
+                "or `rca demo --example xid48_ecc` for the bundled example"
+            ) from None
         report = run_lab_demo(db=db, quick=quick, seed=seed, progress=_demo_progress(as_json))
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))

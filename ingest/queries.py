@@ -113,23 +113,34 @@ def fetch_context(
 def recent_traces(
     con: duckdb.DuckDBPyConnection, *, limit: int = 20, min_http_status: int = 400
 ) -> list[dict[str, Any]]:
-    """The most recent failed server spans: a starting point for ``rca query``."""
+    """The most recent failed local-root spans (no parent, or a parent this store
+    never saw: a gateway's or a client's): a starting point for ``rca query``."""
     return _dicts(
         con.execute(
-            "SELECT trace_id, name, http_status, status_code, start_ns, end_ns, host FROM spans"
-            " WHERE parent_span_id IS NULL AND (http_status >= ? OR status_code = 'ERROR')"
-            " ORDER BY start_ns DESC LIMIT ?",
+            "SELECT s.trace_id, s.name, s.http_status, s.status_code, s.start_ns, s.end_ns,"
+            " s.host FROM spans s"
+            " WHERE (s.http_status >= ? OR s.status_code = 'ERROR') AND "
+            + _LOCAL_ROOT
+            + " ORDER BY s.start_ns DESC LIMIT ?",
             [min_http_status, limit],
         )
     )
 
 
+#: A span with no parent, or whose parent is not in the store (remote parent).
+_LOCAL_ROOT = (
+    "(s.parent_span_id IS NULL OR NOT EXISTS (SELECT 1 FROM spans p"
+    " WHERE p.trace_id = s.trace_id AND p.span_id = s.parent_span_id))"
+)
+
+
 def root_status_counts(con: duckdb.DuckDBPyConnection, trace_ids: list[str]) -> dict[int, int]:
-    """HTTP status -> number of root server spans, for the given traces (all if empty)."""
+    """HTTP status -> number of local-root spans, for the given traces (all if empty)."""
     rows = con.execute(
-        "SELECT http_status, count(*) FROM spans WHERE parent_span_id IS NULL"
-        " AND http_status IS NOT NULL"
-        " AND (len(?::VARCHAR[]) = 0 OR list_contains(?::VARCHAR[], trace_id))"
+        "SELECT s.http_status, count(*) FROM spans s WHERE "
+        + _LOCAL_ROOT
+        + " AND s.http_status IS NOT NULL"
+        " AND (len(?::VARCHAR[]) = 0 OR list_contains(?::VARCHAR[], s.trace_id))"
         " GROUP BY 1 ORDER BY 1",
         [trace_ids, trace_ids],
     ).fetchall()

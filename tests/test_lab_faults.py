@@ -58,6 +58,11 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
         assert inc["causes"][0]["code"] == inc["injected"]["code"], inc["causes"][0]
     assert sum(report["requests"].values()) > 10
     assert any(int(s) >= 400 for s in report["requests"])
+    # rca traces lists them, though their server spans have a remote parent
+    # (the client's traceparent): local roots count
+    tr = CliRunner().invoke(app, ["traces", "--db", str(db), "--json", "--limit", "500"])
+    listed = {r["trace_id"] for r in json.loads(tr.output)}
+    assert {i["trace_id"] for i in report["incidents"]} <= listed
     # the store is left where rca query finds it
     tid = report["incidents"][0]["trace_id"]
     q = CliRunner().invoke(app, ["query", "--trace-id", tid, "--db", str(db), "--json"])

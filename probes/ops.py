@@ -112,6 +112,7 @@ _I64_MIN = -(2**63)
 _ROOT = "<root>"
 _DIMS = {n: tuple(range(1, n)) for n in range(2, 9)}
 _TIER_NAMES = {t.name.lower(): t for t in Tier}
+_NEUTRAL_MINMAX = np.array([math.inf, -math.inf], dtype=np.float32)[:, None, None]
 
 
 def _tier(value: Any) -> Tier:
@@ -285,6 +286,7 @@ class Checker:
         self._graph_mode = False
         self._idx_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         self._lim_cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self._lim_py: dict[tuple[int, ...], list[tuple[float, float]]] = {}
         self._fmeta: dict[int, dict[str, Any]] = {}
         self._imeta: dict[int, dict[str, Any]] = {}
         self._touched = False
@@ -734,6 +736,7 @@ class Checker:
         compiling = torch.compiler.is_compiling
 
         container = self._container[slot]
+        tensor = torch.Tensor
 
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if compiling():
@@ -743,6 +746,15 @@ class Checker:
                     self._on_output(slot, args, output)
                     return
                 queue = self._queue
+                if type(output) is tensor and output.numel() > self.group_max_elems:
+                    # a big output (prefill) is reduced at once, while it is
+                    # still in the CPU caches (by the end of its layer it has
+                    # been evicted: 3-4x the time); what was queued before it
+                    # is checked first, so the hook order is kept
+                    if queue or self._pending:
+                        self._flush()
+                    self._on_output(slot, args, output)
+                    return
                 queue.append((slot, output))
                 if container or len(queue) > 512:
                     self._flush()
@@ -1545,7 +1557,13 @@ class Checker:
             ii = host.pop(0) if ins else None
         # fast all-clear test (neutral cells pass; NaN fails); a few cells: in
         # plain Python (after a forward pass each numpy call costs 5-15 us)
-        if ff is None and _small(sv) and _small(ii) and _clear_small(sv, ii):
+        if (
+            _small(ff)
+            and _small(sv)
+            and _small(ii)
+            and _clear_small(sv, ii)
+            and (ff is None or _clear_minmax(ff, self._limits_py(fs)))
+        ):
             return []
         sok = sv is None or bool(np.isfinite(sv.sum()))
         fbad = ibad = None
@@ -1589,6 +1607,18 @@ class Checker:
             lo = np.array([self._fslots[s].lo for s in fs], dtype=np.float32)[:, None]
             hi = np.array([self._fslots[s].hi for s in fs], dtype=np.float32)[:, None]
             lims = self._lim_cache[key] = (lo, hi)
+        return lims
+
+    def _limits_py(self, fs: list[int]) -> list[tuple[float, float]]:
+        """Per site (lo, hi) as Python floats of their float32 values (what the
+        buffers are compared with)."""
+        key = tuple(fs)
+        lims = self._lim_py.get(key)
+        if lims is None:
+            if len(self._lim_py) > 64:
+                self._lim_py.clear()
+            lo, hi = self._limits(fs)
+            lims = self._lim_py[key] = list(zip(lo[:, 0].tolist(), hi[:, 0].tolist(), strict=True))
         return lims
 
     def _to_host_many(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -1926,8 +1956,7 @@ class Checker:
                 # whole column ranges (slots x w cells, already neutral where
                 # unwritten): a slice assignment is cheaper than a fancy one
                 if self._written:
-                    self._fnp[0, :, :w] = math.inf
-                    self._fnp[1, :, :w] = -math.inf
+                    self._fnp[:, :, :w] = _NEUTRAL_MINMAX  # min +inf, max -inf: one call
                 # row sums and integer min/max: only after a failure. Left over
                 # cells are then in range (finite sums, allowed indices): they
                 # can neither fail a check nor hide a new violation (min/max
@@ -2337,6 +2366,19 @@ def _clear_small(sums: np.ndarray | None, ints: np.ndarray | None) -> bool:
             for x, y, p, q in zip(a, b, low, high, strict=True):
                 if x < p or y >= q:
                     return False
+    return True
+
+
+def _clear_minmax(ff: np.ndarray, lims: list[tuple[float, float]]) -> bool:
+    """Every min/max cell inside its site's [lo, hi] (neutral cells pass; NaN fails)."""
+    mn, mx = ff.tolist()
+    for a, b, (lo, hi) in zip(mn, mx, lims, strict=True):
+        for x in a:
+            if not x >= lo:
+                return False
+        for y in b:
+            if not y <= hi:
+                return False
     return True
 
 

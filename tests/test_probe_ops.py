@@ -560,3 +560,81 @@ def test_a_sum_that_overflows_on_finite_values_is_not_a_fault():
 
 def _num_f32_max():
     return float(f"{3e38:.6g}")
+
+
+class _Wide(nn.Module):
+    def forward(self, x):
+        return x.repeat(1, 1, 704)  # [4, 6, 11264]: not kept by reference either
+
+
+class _Scrub(nn.Module):
+    def forward(self, x):
+        x.zero_()  # overwrites the wide output in place, before the layer ends
+        return x[..., :16] + 0
+
+
+class _WideModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), _Wide(), _Scrub())])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_big_output_is_checked_when_its_hook_runs():
+    """An output over ``group_max_elems`` (prefill) is reduced in its own hook,
+    while it is still in the CPU caches: a NaN in it is found even when a later
+    module of the layer overwrites it in place (too big to be kept by
+    reference, it is reported from its row sum), and the smaller output queued
+    before it keeps its place as the row's first fault."""
+    model, sink = _WideModel(), MemorySink()
+    ck = instrument(model, "numerical", sink=sink)
+    assert ck.detail_max_elems < 4 * 6 * 11264
+    armed = {"on": False}
+
+    def inject(module, args, output):
+        if armed["on"]:
+            output[1, 2, 3] = math.nan
+
+    handle = model.blocks[0][0].register_forward_hook(inject, prepend=True)
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(3))
+    try:
+        assert run(ck, model, x=x) == []
+        armed["on"] = True
+        recs = run(ck, model, x=x)
+    finally:
+        handle.remove()
+        ck.detach()
+    rows = {r.attrs["row"] for r in recs}
+    assert rows == {1} and {r.trace_id for r in recs} == {TRACES[1]}
+    mods = {r.attrs["module"]: r for r in recs}
+    assert set(mods) == {"blocks.0.0", "blocks.0.1"}  # the wide output, zeroed since
+    assert mods["blocks.0.1"].attrs["row_sum"] == "nan"
+    head = next(r for r in recs if "downstream" in r.attrs)
+    assert head.attrs["module"] == "blocks.0.0" and head.attrs["kind"] == "nan"
+
+
+def test_min_max_sites_all_clear_test_in_python_sees_nan_and_limits():
+    """Sites with value limits keep row min/max; a step with a few such cells is
+    cleared in plain Python: NaN and a value past a float32 bound still fail,
+    unwritten (neutral) cells and in-range values pass."""
+    ck = Checker(MemorySink(), value_limits={"lim*": (-1.0, 0.5)})
+    ok = torch.full((4, 8), 0.25)
+    for bad, kind in ((math.nan, "nan"), (0.5000001, "range"), (-math.inf, "-inf")):
+        x = ok.clone()
+        x[2, 3] = bad
+        ck.begin_step(TRACES)
+        ck.check("lim_ok", ok)
+        ck.check("lim_bad", x)
+        recs = ck.end_step()
+        assert [(r.attrs["site"], r.attrs["row"], r.attrs["kind"]) for r in recs] == [
+            ("lim_bad", 2, kind)
+        ]
+    ck.begin_step(TRACES)
+    ck.check("lim_ok", ok)
+    ck.check("lim_edge", torch.full((4, 8), 0.5))  # on the bound: in range
+    assert ck.end_step() == []

@@ -88,6 +88,15 @@ class Fault:
             self.inject_ns = time.time_ns()
         self.fired = True
 
+    def _strike(self, batch: Any) -> bool:
+        """Act now? True once: the first step after arming (the fault is then
+        marked and the batch's traces become its victims)."""
+        if self.fired or not self.armed:
+            return False
+        self.mark()
+        self._batch_victims(batch)
+        return True
+
     def _batch_victims(self, batch: Any) -> None:
         for tid in getattr(batch, "trace_ids", []) or []:
             if tid and tid not in self.victims:
@@ -407,10 +416,8 @@ class ShmBroadcastStall(Fault):
         return {"request_timeout_s": 0.8}
 
     def before_step(self, engine: Any, batch: Any) -> None:
-        if self.fired or not self.armed:
+        if not self._strike(batch):
             return
-        self.mark()
-        self._batch_victims(batch)
         engine.log_line(
             "WARNING",
             "shm_broadcast.py:501",
@@ -430,10 +437,8 @@ class NcclWatchdog(Fault):
     status: ClassVar[int] = 500
 
     def before_step(self, engine: Any, batch: Any) -> None:
-        if self.fired or not self.armed:
+        if not self._strike(batch):
             return
-        self.mark()
-        self._batch_victims(batch)
         engine.log_line(
             "ERROR",
             "ProcessGroupNCCL.cpp:632",
@@ -565,46 +570,42 @@ class LoraBadTargets(LoraBadRank):
 # model loading, config, host resources
 # ---------------------------------------------------------------------------
 @dataclass
-class CheckpointTruncated(Fault):
+class _StartupFault(Fault):
+    """A deployment setting the engine refuses at load: every request gets 503."""
+
+    status: ClassVar[int] = 503
+    overrides: ClassVar[dict[str, Any]] = {}
+
+    def config(self) -> dict[str, Any]:
+        return dict(self.overrides)
+
+    def on_load(self, engine: Any, state_dict: Any) -> None:
+        self.mark()
+
+
+@dataclass
+class CheckpointTruncated(_StartupFault):
     """The weights file was cut short by a failed copy: loading fails, 503s."""
 
     name: ClassVar[str] = "checkpoint_truncated"
     code: ClassVar[str] = "MODEL_WEIGHTS_LOAD_FAILED"
-    status: ClassVar[int] = 503
-
-    def config(self) -> dict[str, Any]:
-        return {"truncate_checkpoint": True}
-
-    def on_load(self, engine: Any, state_dict: Any) -> None:
-        self.mark()
+    overrides: ClassVar[dict[str, Any]] = {"truncate_checkpoint": True}
 
 
 @dataclass
-class ConfigMaxModelLen(Fault):
+class ConfigMaxModelLen(_StartupFault):
     """max_model_len set past the model's position table: startup refuses."""
 
     name: ClassVar[str] = "config_max_model_len"
     code: ClassVar[str] = "CONFIG_MAX_MODEL_LEN_TOO_LARGE"
-    status: ClassVar[int] = 503
-
-    def config(self) -> dict[str, Any]:
-        return {"max_model_len": 4096}
-
-    def on_load(self, engine: Any, state_dict: Any) -> None:
-        self.mark()
+    overrides: ClassVar[dict[str, Any]] = {"max_model_len": 4096}
 
 
 @dataclass
-class ConfigTPHeads(Fault):
+class ConfigTPHeads(_StartupFault):
     name: ClassVar[str] = "config_tp_heads"
     code: ClassVar[str] = "CONFIG_TP_HEADS_NOT_DIVISIBLE"
-    status: ClassVar[int] = 503
-
-    def config(self) -> dict[str, Any]:
-        return {"tensor_parallel_size": 3}
-
-    def on_load(self, engine: Any, state_dict: Any) -> None:
-        self.mark()
+    overrides: ClassVar[dict[str, Any]] = {"tensor_parallel_size": 3}
 
 
 @dataclass
@@ -617,10 +618,8 @@ class HostOOMKill(Fault):
     scripted: ClassVar[bool] = True
 
     def before_step(self, engine: Any, batch: Any) -> None:
-        if self.fired or not self.armed:
+        if not self._strike(batch):
             return
-        self.mark()
-        self._batch_victims(batch)
         pid = 40000 + self.rng.randrange(9999)
         engine.kernel_log(
             f"Out of memory: Killed process {pid} (VllmWorker) total-vm:81234567kB, "
@@ -715,10 +714,8 @@ class Xid13App(Fault):
     same_sm: ClassVar[bool] = False
 
     def before_step(self, engine: Any, batch: Any) -> None:
-        if self.fired or not self.armed:
+        if not self._strike(batch):
             return
-        self.mark()
-        self._batch_victims(batch)
         pci = _pci(engine)
         pid = os.getpid()  # the driver names the process whose kernel faulted: the engine
         for i in range(4):
@@ -755,10 +752,8 @@ class Xid79FellOffBus(Fault):
     scripted: ClassVar[bool] = True
 
     def before_step(self, engine: Any, batch: Any) -> None:
-        if self.fired or not self.armed:
+        if not self._strike(batch):
             return
-        self.mark()
-        self._batch_victims(batch)
         _push_xid(engine, 79)
         engine.kernel_log(
             f"NVRM: Xid (PCI:{_pci(engine)}): 79, pid='<unknown>', name=<unknown>, "
@@ -777,10 +772,8 @@ class Xid74NVLink(Fault):
     scripted: ClassVar[bool] = True
 
     def before_step(self, engine: Any, batch: Any) -> None:
-        if self.fired or not self.armed:
+        if not self._strike(batch):
             return
-        self.mark()
-        self._batch_victims(batch)
         _push_xid(engine, 74)
         link = self.rng.randrange(4)
         engine.kernel_log(
@@ -849,10 +842,8 @@ class Xid119GSP(Fault):
     scripted: ClassVar[bool] = True
 
     def before_step(self, engine: Any, batch: Any) -> None:
-        if self.fired or not self.armed:
+        if not self._strike(batch):
             return
-        self.mark()
-        self._batch_victims(batch)
         _push_xid(engine, 119)
         engine.kernel_log(
             f"NVRM: Xid (PCI:{_pci(engine)}): 119, pid=2024380, name=python3, Timeout after 6s of "
@@ -873,10 +864,8 @@ class GpuOOM(Fault):
     scripted: ClassVar[bool] = True
 
     def before_step(self, engine: Any, batch: Any) -> None:
-        if self.fired or not self.armed:
+        if not self._strike(batch):
             return
-        self.mark()
-        self._batch_victims(batch)
         import torch
 
         total = 80 * (1 << 30)

@@ -140,60 +140,6 @@ class HostSink:
 
 
 # ---------------------------------------------------------------------------
-# in-process ASGI calls
-# ---------------------------------------------------------------------------
-async def asgi_call(
-    app: Any, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
-) -> tuple[int, Any]:
-    """One HTTP request through an ASGI app, no sockets: (status, parsed body)."""
-    raw = b"" if body is None else json.dumps(body).encode()
-    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": hdrs,
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
-    sent = False
-    status = 0
-    chunks: list[bytes] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    async def send(msg: dict[str, Any]) -> None:
-        nonlocal status
-        if msg["type"] == "http.response.start":
-            status = int(msg["status"])
-        elif msg["type"] == "http.response.body":
-            chunks.append(msg.get("body", b""))
-
-    try:
-        await app(scope, receive, send)
-    except Exception:  # the server answers 500 when the app raised before responding
-        status = status or 500
-    data = b"".join(chunks)
-    try:
-        parsed = json.loads(data) if data else None
-    except ValueError:
-        parsed = data.decode("utf-8", "replace")
-    return status, parsed
-
-
-# ---------------------------------------------------------------------------
 # scenarios
 # ---------------------------------------------------------------------------
 def make_scenarios(
@@ -304,13 +250,22 @@ async def _drive(
 ) -> list[RequestLog]:
     """Send the workload through the ASGI app (arrivals in ticks of ``tick_s``)
     while the engine steps on its own thread, as a server does."""
+    from rca.lab.server import LabClient
+
     logs: list[RequestLog] = []
     tasks: list[asyncio.Task] = []
     by_fault = {f.name: f for f in faults}
+    client = LabClient(app, drive=False)  # the engine steps on its own thread
 
     async def send(log: RequestLog, body: dict[str, Any]) -> None:
         tp = f"00-{log.trace_id}-{secrets.token_hex(8)}-01"
-        status, data = await asgi_call(app, "POST", log.path, body, {"traceparent": tp})
+        headers = [(b"content-type", b"application/json"), (b"traceparent", tp.encode())]
+        try:
+            status, data = await client.arequest(
+                "POST", log.path, json.dumps(body).encode(), headers
+            )
+        except Exception:  # the app raised before answering: the server sends a 500
+            status, data = 500, None
         log.status = status
         if isinstance(data, dict) and isinstance(data.get("id"), str):
             log.request_id = data["id"]

@@ -326,7 +326,6 @@ def _driver_boot_lines(engine: Any) -> None:
         engine.kernel_log(
             f"NVRM: GPU at PCI:{dom[-4:]}:{b.lower()}:{rest.lower()}: {dev.get('uuid', '')}"
         )
-        engine.kernel_log(f"NVRM: GPU Board Serial Number: 16523{abs(hash(bus)) % 10**8:08d}")
 
 
 def _pick_incident(logs: list[RequestLog], primary: Any, engine: Any) -> RequestLog | None:

@@ -690,11 +690,7 @@ class LabEngine:
 
     def _idle_tick(self) -> None:
         if self._calls % max(1, self.config.poll_every) == 0:
-            try:
-                self.poller.poll_once()
-                self._sample(0.0)
-            except Exception as exc:  # bookkeeping must not kill the engine
-                self.log_exception(exc, where="metrics.py:120", message="Error in engine metrics")
+            self.sample()
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -537,23 +537,25 @@ class LoraBadRank(Fault):
     status: ClassVar[int] = 404
     rank: int = 64
     targets: tuple[str, ...] = ("q_proj", "v_proj")
+    adapter: str = "support-bot"
 
     def workload(self) -> list[dict[str, Any]]:
+        """Hot-load the adapter, then a request that asks for it (the victim)."""
         return [
             {
                 "at": self.at_step,
                 "path": "/v1/load_lora_adapter",
-                "body": {"lora_name": "support-bot", "lora_path": "@adapter"},
+                "body": {"lora_name": self.adapter, "lora_path": "@adapter"},
             },
             {
                 "at": self.at_step + 2,
-                "body": {"prompt": "hi", "max_tokens": 8, "model": "support-bot"},
+                "body": {"prompt": "hi", "max_tokens": 8, "model": self.adapter},
                 "victim": True,
             },
         ]
 
     def on_start(self, engine: Any) -> None:
-        path = Path(engine.run_dir) / "support-bot.pt"
+        path = Path(engine.run_dir) / f"{self.adapter}.pt"
         _write_adapter(path, engine.config, rank=self.rank, targets=list(self.targets))
         self.adapter_path = str(path)
 
@@ -630,40 +632,23 @@ class HostOOMKill(Fault):
 
 
 @dataclass
-class TooManyOpenFiles(Fault):
-    """The process hits its open-files limit while loading an adapter."""
+class TooManyOpenFiles(LoraBadRank):
+    """The process hits its open-files limit while loading a good adapter."""
 
     name: ClassVar[str] = "too_many_open_files"
     code: ClassVar[str] = "TOO_MANY_OPEN_FILES"
-    status: ClassVar[int] = 404
-
-    def workload(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "at": self.at_step,
-                "path": "/v1/load_lora_adapter",
-                "body": {"lora_name": "sql-helper", "lora_path": "@adapter"},
-            },
-            {
-                "at": self.at_step + 2,
-                "body": {"prompt": "select", "max_tokens": 8, "model": "sql-helper"},
-                "victim": True,
-            },
-        ]
+    rank: int = 8
+    adapter: str = "sql-helper"
 
     def on_start(self, engine: Any) -> None:
-        path = Path(engine.run_dir) / "sql-helper.pt"
-        _write_adapter(path, engine.config, rank=8, targets=["q_proj", "v_proj"])
-        self.adapter_path = str(path)
+        super().on_start(engine)
         fault = self
-        orig = engine.lora.load
 
         def load(name: str, p: str) -> Any:
             fault.mark()
             raise OSError(24, "Too many open files")
 
         engine.lora.load = load
-        self._orig = orig
 
 
 # ---------------------------------------------------------------------------

@@ -59,6 +59,7 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from types import MethodType
 from typing import Any, Protocol
 
 import numpy as np
@@ -276,6 +277,14 @@ class Checker:
         self._pending: list[tuple[int, torch.Tensor, tuple[Any, ...]]] = []
         self._cover: dict[int, list[int]] = {}  # group cell's site -> the other sites
         self._container: list[bool] = []
+        #: on the CPU, a few integers (a decode step's token ids) are checked in
+        #: Python (host memory: nothing to sync); off, the CPU takes the device
+        #: path (kernels into the buffers), as a GPU always does
+        self.host_shortcuts = True
+        #: check queued outputs at the end of every layer (a child of a
+        #: ModuleList) instead of once per step: a narrower window for an
+        #: in-place write to hide a NaN, for a few more reductions a step
+        self.flush_each_layer = False
         self._queue: list[tuple[int, Any]] = []  # (site, output) queued by hooks
         self._direct = self.snapshot  # hooks check at once (input snapshots, flattened tokens)
         self._iviews: dict[int, list[Any]] = {}
@@ -333,6 +342,11 @@ class Checker:
         self.errors = 0
         self.suppressed_records = 0
         self._side_stream: Any = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Checker:
+        # a deep copy of an instrumented model (its hooks are bound to this
+        # checker) reports to the same checker: one per process, like its sink
+        return self
 
     # ------------------------------------------------------------------ setup
     def _code(self, name: str) -> Any:
@@ -419,6 +433,10 @@ class Checker:
         self._fnp = self._fbuf.numpy() if cpu else None
         self._snp = self._sbuf.numpy() if cpu else None
         self._inp = self._ibuf.numpy() if cpu else None
+        # flat views of the same memory, for the plain-Python all-clear test
+        self._fmv = memoryview(self._fnp.reshape(-1)) if cpu else None
+        self._smv = memoryview(self._snp.reshape(-1)) if cpu else None
+        self._imv = memoryview(self._inp.reshape(-1)) if cpu else None
         self._allocated = True
         if self._fslots:
             n = len(self._fslots)
@@ -524,7 +542,10 @@ class Checker:
             want = self._arm_all or self._ftier[slot] > 0
             h = self._fhandles[slot]
             if want and h is None:
-                self._fhandles[slot] = mod.register_forward_hook(self._output_hook(slot))
+                hook = self._output_hook(slot)
+                self._fhandles[slot] = (
+                    mod.register_forward_hook(hook) if self._arm_all else _ForwardTap(mod, hook)
+                )
             elif not want and h is not None:
                 h.remove()
                 self._fhandles[slot] = None
@@ -756,7 +777,7 @@ class Checker:
                     self._on_output(slot, args, output)
                     return
                 queue.append((slot, output))
-                if container or len(queue) > 512:
+                if (container and self.flush_each_layer) or len(queue) > 512:
                     self._flush()
 
         return hook
@@ -1246,6 +1267,20 @@ class Checker:
         stop, mn, mx, lov, hiv = views
         if stop > self._width:
             self._width = stop
+        if (
+            mode == "row"
+            and self._imv is not None
+            and self.host_shortcuts
+            and t.device.type == "cpu"
+            and t.numel() <= 512
+            and not t.is_floating_point()
+            and not isinstance(lo, torch.Tensor)
+            and not isinstance(hi, torch.Tensor)
+        ):
+            self._index_cpu_small(islot, t, n, first, lo, hi)
+            if self.snapshot and self._isnap is not None:
+                self._snap(self._isnap, islot, t)
+            return
         if lo is not None:
             lov.copy_(lo) if isinstance(lo, torch.Tensor) else lov.fill_(lo)
         if hi is not None:
@@ -1272,6 +1307,31 @@ class Checker:
             torch.maximum(mx, t.max().long(), out=mx)
         if self.snapshot and self._isnap is not None:
             self._snap(self._isnap, islot, t)
+
+    def _index_cpu_small(
+        self, islot: int, t: torch.Tensor, n: int, first: bool, lo: int | None, hi: int | None
+    ) -> None:
+        """:meth:`_index` for a few integers on the CPU (token ids and positions
+        of a decode step): per-row min/max in Python, written into the buffer
+        cells through a flat memoryview; no torch op, whose dispatch costs more
+        than the work right after a forward pass."""
+        imv, c = self._imv, self._cols
+        k, o = self._icap * c, islot * c + 1
+        rows = t.reshape(n, -1).tolist()
+        if lo is not None:
+            for r in range(n):
+                imv[2 * k + o + r] = lo
+        if hi is not None:
+            for r in range(n):
+                imv[3 * k + o + r] = hi
+        for r, row in enumerate(rows):
+            if not row:
+                continue
+            a, b = min(row), max(row)
+            if not first:
+                a, b = min(a, imv[o + r]), max(b, imv[k + o + r])
+            imv[o + r] = a
+            imv[k + o + r] = b
 
     # ------------------------------------------------------------------ explicit
     def check(
@@ -1539,7 +1599,13 @@ class Checker:
         if w == 0 or not (fs or ss or ins):
             return []
         if self._fnp is not None and self._inp is not None and self._snp is not None:
-            # CPU: numpy views, no torch op; a contiguous row range where it can
+            # CPU: a step with few cells is cleared in plain Python, slicing flat
+            # memoryviews of the buffers (after a forward pass, caches are cold
+            # and each numpy call costs 5-20 us); then numpy views, no torch op
+            if (2 * len(fs) + len(ss) + 4 * len(ins)) * w <= 2048 and self._clear_cpu(
+                fs, ss, ins, w
+            ):
+                return []
             ff = _rows(self._fnp, fs, w, 1) if fs else None
             sv = _rows(self._snp, ss, w, 0) if ss else None
             ii = _rows(self._inp, ins, w, 1) if ins else None
@@ -1597,6 +1663,39 @@ class Checker:
             bad = ibad & on & cols_on[None, :]
             ipairs = [(ins[i], int(c)) for i, c in zip(*np.nonzero(bad), strict=True)]
         return self._fails(fpairs, ipairs, spairs)
+
+    def _clear_cpu(self, fs: list[int], ss: list[int], ins: list[int], w: int) -> bool:
+        """True when every written cell passes: finite row sums, integer min/max
+        inside [lo, hi), float min/max inside the site's limits (neutral cells
+        pass; NaN fails). CPU buffers, read through flat memoryviews."""
+        c = self._cols
+        smv = self._smv
+        for s in ss:
+            o = s * c
+            if not math.isfinite(sum(smv[o : o + w].tolist())):
+                return False
+        if ins:
+            imv, k = self._imv, self._icap * c
+            for s in ins:
+                o = s * c
+                mn = imv[o : o + w].tolist()
+                mx = imv[k + o : k + o + w].tolist()
+                lo = imv[2 * k + o : 2 * k + o + w].tolist()
+                hi = imv[3 * k + o : 3 * k + o + w].tolist()
+                for a, b, p, q in zip(mn, mx, lo, hi, strict=True):
+                    if a < p or b >= q:
+                        return False
+        if fs:
+            fmv, k = self._fmv, self._fcap * c
+            for s, (lo_, hi_) in zip(fs, self._limits_py(fs), strict=True):
+                o = s * c
+                for x in fmv[o : o + w].tolist():
+                    if not x >= lo_:
+                        return False
+                for y in fmv[k + o : k + o + w].tolist():
+                    if not y <= hi_:
+                        return False
+        return True
 
     def _limits(self, fs: list[int]) -> tuple[np.ndarray, np.ndarray]:
         key = tuple(fs)
@@ -2053,6 +2152,82 @@ class Checker:
         for rec in records:
             self._emit(rec)
         return records
+
+
+def _tapped_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module.forward`` while a :class:`_ForwardTap` is on: the module's own
+    forward, then the checker's hook on its output."""
+    out = module._rca_forward(*args, **kwargs)
+    tap = module._rca_tap
+    if module._forward_hooks:
+        tap.promote()  # someone else's forward hooks: check after them, as a hook
+    else:
+        tap.hook(module, args, out)
+    return out
+
+
+class _ForwardTap:
+    """A forward hook without PyTorch's slow call path.
+
+    Any forward hook sends every call of its module through
+    ``Module._call_impl``'s general path (~3-4 us a call in eager mode, which
+    is 1.5-2 % of a small decoder step when every module is hooked). The tap
+    instead sets the module's ``forward`` to :func:`_tapped_forward` bound to
+    the module (an instance attribute, as ``accelerate`` does), which calls
+    the forward it replaced and then the hook: the call keeps PyTorch's fast
+    path. Bound to the module, it follows ``copy.deepcopy`` to the copy.
+
+    The hook must see what a forward hook would (the output after the
+    module's own forward hooks, which may replace it): when the module has
+    forward hooks at a call, the tap turns into a real forward hook,
+    registered last, in that same call. ``remove()`` restores the forward it
+    replaced; if something wrapped the module's forward after the tap, the
+    tap only goes inert. Used for eager ``modules="auto"`` hooks;
+    ``modules="all"`` (before ``torch.compile``) keeps real forward hooks."""
+
+    __slots__ = ("_mod", "_prev", "hook", "_handle")
+
+    def __init__(self, mod: nn.Module, hook: Callable[..., None]) -> None:
+        d = mod.__dict__
+        self._mod, self.hook, self._handle = mod, hook, None
+        self._prev = d.get("forward")  # an instance forward someone set before (or None)
+        d["_rca_forward"] = self._prev if self._prev is not None else mod.forward
+        d["_rca_tap"] = self
+        d["forward"] = MethodType(_tapped_forward, mod)
+        if mod._forward_hooks:
+            self.promote()
+
+    def promote(self) -> None:
+        """From a tap to a forward hook (the module's call takes the slow path anyway)."""
+        if self._handle is None:
+            hook = self.hook
+            self._unwrap()
+            self._handle = self._mod.register_forward_hook(hook)
+
+    def _unwrap(self) -> None:
+        mod, d = self._mod, self._mod.__dict__
+        fwd = d.get("forward")
+        if getattr(fwd, "__func__", None) is _tapped_forward and fwd.__self__ is mod:
+            if self._prev is None:
+                del d["forward"]
+            else:
+                d["forward"] = self._prev
+            d.pop("_rca_forward", None)
+            d.pop("_rca_tap", None)
+        else:  # wrapped again since: keep the chain, silence the tap
+            self.hook = _no_hook
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        else:
+            self._unwrap()
+        self.hook = _no_hook
+
+
+def _no_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    return None
 
 
 class _Step:

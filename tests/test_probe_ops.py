@@ -123,8 +123,9 @@ def test_default_tier_sees_the_logits_only():
     model, sink = llama(), MemorySink()
     ck = instrument(model, sink=sink)
     assert ck.status()["active"] == {"lm_head": "numerical"}
-    hooked = [n for n, m in model.named_modules() if m._forward_hooks]
+    hooked = [n for n, m in model.named_modules() if m._forward_hooks or tapped(m)]
     assert hooked == ["lm_head"]  # production hooks only what it checks
+    assert not model.lm_head._forward_hooks  # a tap: PyTorch's fast call path stays
     assert run(ck, model, input_ids=ids()) == []
     with poisoned(model.model.layers[0].self_attn.o_proj.weight, math.nan):
         recs = run(ck, model, input_ids=ids())
@@ -333,6 +334,7 @@ def test_no_host_read_during_the_forward_pass(make, sync_counter):
         model(input_ids=x)
     baseline = sum(sync_counter.values())  # what the model itself reads, if anything
     ck = instrument(model, "full", sink=MemorySink(), snapshot=True)
+    ck.host_shortcuts = False  # CPU-only shortcuts read host memory: follow the device path
     ck.begin_step(TRACES)
     sync_counter.clear()
     with torch.inference_mode():
@@ -381,6 +383,41 @@ def test_tier_switch_at_run_time_without_reinstrumenting():
     assert handler("POST", '{"tiers": "loud"}')[0] == 400
     assert handler("POST", '{"verbose": 1}')[0] == 400
     assert handler("DELETE")[0] == 405
+
+
+def tapped(m: nn.Module) -> bool:
+    return "_rca_tap" in m.__dict__
+
+
+def test_taps_restore_forward_follow_deepcopy_and_survive_a_later_wrapper():
+    import copy
+
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, "numerical", sink=sink)
+    leaves = [m for m in model.modules() if tapped(m)]
+    assert leaves and not any(m._forward_hooks for m in leaves)
+    # a deep copy runs its own weights and reports to the same checker
+    twin = copy.deepcopy(model)
+    with poisoned(twin.blocks[1][0].weight):
+        assert run(ck, model, input_ids=ids()) == []
+        recs = run(ck, twin, input_ids=ids())
+    assert {r.attrs["module"] for r in recs if r.code == "ACTIVATION_INF"} == {"blocks.1.0"}
+    # something wraps a forward after the tap (as accelerate does): detach keeps its wrapper
+    head = model.head
+    seen = []
+    inner = head.forward
+
+    def outer(*a, **k):
+        seen.append(1)
+        return inner(*a, **k)
+
+    head.forward = outer
+    ck.detach()
+    assert not any(tapped(m) or m._forward_hooks for m in model.modules() if m is not head)
+    assert all("forward" not in m.__dict__ for m in model.modules() if m is not head)
+    with poisoned(model.blocks[0][0].weight), torch.inference_mode():
+        model(input_ids=ids())
+    assert seen and sink.records == recs  # the wrapper ran; the inert tap reported nothing
 
 
 def test_tier_switch_with_all_modules_hooked_keeps_the_hooks():
@@ -638,3 +675,34 @@ def test_min_max_sites_all_clear_test_in_python_sees_nan_and_limits():
     ck.check("lim_ok", ok)
     ck.check("lim_edge", torch.full((4, 8), 0.5))  # on the bound: in range
     assert ck.end_step() == []
+
+
+def test_a_tap_becomes_a_hook_when_the_module_gets_hooks_after_a_later_wrapper():
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, "numerical", sink=sink)
+    lin = model.blocks[0][0]
+    inner = lin.forward
+    lin.forward = lambda *a, **k: inner(*a, **k)  # wrapped after the tap
+    h = lin.register_forward_hook(lambda m, a, out: torch.full_like(out, math.nan))
+    try:
+        recs = run(ck, model, input_ids=ids())
+    finally:
+        h.remove()
+    assert {r.attrs["module"] for r in recs if r.code == "ACTIVATION_INF"} == {"blocks.0.0"}
+    ck.detach()
+    assert not lin._forward_hooks
+
+
+@pytest.mark.parametrize("shortcuts", [True, False])
+def test_index_checks_agree_with_and_without_host_shortcuts(shortcuts):
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, "default", sink=sink)
+    ck.host_shortcuts = shortcuts
+    x = ids(rows=4, t=1)
+    assert run(ck, model, input_ids=x) == []
+    bad = x.clone()
+    bad[2, 0] = VOCAB + 5
+    recs = [r for r in run(ck, model, input_ids=bad) if r.code == "TOKEN_ID_OUT_OF_VOCAB"]
+    assert [(r.trace_id, r.attrs["row"]) for r in recs] == [(TRACES[2], 2)]
+    assert recs[0].attrs["max"] == VOCAB + 5 and recs[0].attrs["hi_exclusive"] == VOCAB
+    assert run(ck, model, input_ids=x) == []  # the next clean step is clean again

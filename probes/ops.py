@@ -24,16 +24,17 @@ context. The batch row -> trace id map is captured on the host when the step is
 launched (:meth:`Checker.begin_step`), since the read-back happens later.
 
 Attach checks three ways: :func:`instrument` (every module of a torch model is a
-check site, hooked by forward hooks), the :meth:`Checker.op` decorator on a
+check site, tapped: see :class:`_ForwardTap`), the :meth:`Checker.op` decorator on a
 function, or explicit calls (:meth:`Checker.check`, :meth:`Checker.check_token_ids`,
 ...). Each site has a tier (``off`` / ``numerical`` / ``full``); :func:`set_tiers`
 changes them at run time without re-instrumenting. Eager hooks read a host-side
 tier table; the per-site device mask applied when the flags are evaluated is what
 a compiled or CUDA-graph-captured model obeys (instrument it with
-``modules="all"`` before compiling: its hooks are traced once and stay). In eager
-mode an idle hook still costs PyTorch's slow call path (~4 us a call), so the
-default ``modules="auto"`` hooks only the sites that are on and lets
-:func:`set_tiers` add or remove hooks at a step boundary.
+``modules="all"`` before compiling: real forward hooks, traced once, that stay).
+In eager mode a forward hook sends every call of its module through PyTorch's
+slow call path (~3-4 us), so the default ``modules="auto"`` taps only the sites
+that are on, with a bound ``forward`` wrapper that keeps the fast path, and lets
+:func:`set_tiers` add or remove taps at a step boundary.
 
 Typical use::
 
@@ -524,10 +525,10 @@ class Checker:
         return self.status()
 
     def _arm(self) -> None:
-        """Hooks on the modules whose tier is not off (all of them with
-        ``modules="all"``): an idle forward hook still costs ~4 us per call in
-        eager mode (PyTorch's slow call path), so production hooks only what it
-        checks. Runs in the serving thread at a step boundary when a step is open."""
+        """Taps on the modules whose tier is not off (forward hooks on all of
+        them with ``modules="all"``): an idle hook still costs a call, so
+        production taps only what it checks. Runs in the serving thread at a
+        step boundary when a step is open."""
         self._arm_dirty = False
         model = self._model
         want_post = model is not None and (self._arm_all or self._state)
@@ -604,8 +605,9 @@ class Checker:
     ) -> Checker:
         """Register every module of ``model`` as a check site.
 
-        ``modules="auto"``: forward hooks only on the sites whose tier is not off
-        (added and removed by :func:`set_tiers`, at a step boundary);
+        ``modules="auto"``: taps (:class:`_ForwardTap`) only on the sites whose
+        tier is not off (added and removed by :func:`set_tiers`, at a step
+        boundary);
         ``modules="all"``: hooks on every module from the start, tiers switched
         by the host table and the device mask only: use it before
         ``torch.compile`` or CUDA-graph capture, which trace the hooks once."""
@@ -618,8 +620,8 @@ class Checker:
         cfg = getattr(model, "config", None)
         self._max_positions = max_positions or getattr(cfg, "max_position_embeddings", None)
         token_emb = _input_embeddings(model)
-        # queued outputs are checked at the end of each layer (a child of a
-        # ModuleList / ModuleDict) and of the whole model
+        # with flush_each_layer, queued outputs are checked at the end of each
+        # layer (a child of a ModuleList / ModuleDict) and of the whole model
         layers = {id(model)}
         for mod in model.modules():
             if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
@@ -1014,7 +1016,8 @@ class Checker:
         value limits keep min/max instead.
 
         A small output (decode) is not reduced here: it waits, by reference, for
-        the end of its layer (or end_step), where the waiting outputs that
+        the next big output or end_step (or the end of its layer with
+        ``flush_each_layer``), where the waiting outputs that
         share their leading dims are concatenated and summed once
         (:meth:`_flush`): one reduction per group instead of one per module. An
         output written in place between its hook and that flush is checked as

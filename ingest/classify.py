@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from graph.catalog import Catalog, Code, default_catalog
+from graph.catalog import FAMILIES, Catalog, Code, default_catalog
 from ingest.tracebacks import strip_prefix
 
 __all__ = [
@@ -198,7 +198,7 @@ class Batch:
 
 #: Bump when the fallback's features, model or training-set construction change:
 #: it is part of the on-disk cache key.
-CLASSIFIER_VERSION = 4
+CLASSIFIER_VERSION = 6  # 5: family-only training labels; 6: 15 SGD epochs
 
 
 def _training_set(
@@ -213,15 +213,24 @@ def _training_set(
         for ex in code.examples:
             texts.append(_strip_numbers(ex))
             labels.append(code.name)
-    for text, code in training:  # real lines: (text, code) or (text, None) if ordinary
-        if code is None or code in catalog:
+    # real lines: (text, code), (text, family) when no code fits, (text, None) if ordinary
+    for text, label in training:
+        if label is None or label in catalog or label in FAMILIES:
             texts.append(_strip_numbers(text))
-            labels.append(code or NONE_LABEL)
+            labels.append(label or NONE_LABEL)
     benign = benign_lines(max(400, len(texts) // 2), seed=seed)
     benign += list(TRACEBACK_BOILERPLATE) * 3
     texts += [_strip_numbers(b) for b in benign]
     labels += [NONE_LABEL] * len(benign)
     return texts, labels
+
+
+def label_family(catalog: Catalog, label: str) -> str:
+    """The family a training label stands for: a code's family, a family itself
+    (a real line no code fits) or NONE_LABEL."""
+    if label == NONE_LABEL or label in FAMILIES:
+        return label
+    return catalog[label].family
 
 
 def training_key(catalog: Catalog, texts: Sequence[str], labels: Sequence[str]) -> str:
@@ -239,7 +248,7 @@ def training_key(catalog: Catalog, texts: Sequence[str], labels: Sequence[str]) 
     except (OSError, TypeError):
         h.update(f"catalog:{catalog.path}".encode())
     for text, lab in zip(texts, labels, strict=True):
-        fam = catalog[lab].family if lab != NONE_LABEL else lab
+        fam = label_family(catalog, lab)
         h.update(f"{text}\0{lab}\0{fam}\n".encode())
     return h.hexdigest()
 
@@ -289,11 +298,11 @@ class _Fallback:
         # The family is learned (23 classes: SGD on the log loss, probabilities in
         # about a second; lbfgs over 186 code classes took ~30 s); the code within
         # the family is the nearest code centroid (cosine) of the training lines.
-        fam_labels = [catalog[c].family if c != NONE_LABEL else NONE_LABEL for c in labels]
+        fam_labels = [label_family(catalog, c) for c in labels]
         clf = SGDClassifier(
             loss="log_loss",
             alpha=1e-5,
-            max_iter=30,
+            max_iter=15,  # 30 until round 4: same leave-one-set-out figures, half the time
             tol=None,
             random_state=seed,
             class_weight="balanced",  # rare families (numerical, scheduler) get a say
@@ -304,12 +313,12 @@ class _Fallback:
             vec.stop_words_ = None  # terms cut by max_features: only pickle weight
         self.clf = clf.fit(x, fam_labels)
         self.families = list(clf.classes_)
-        codes = sorted({c for c in labels if c != NONE_LABEL})
+        codes = sorted({c for c in labels if c in catalog})
         self.codes = codes
         self.code_family = [catalog[c].family for c in codes]
         rows_of: dict[str, list[int]] = {c: [] for c in codes}
         for i, lab in enumerate(labels):
-            if lab != NONE_LABEL:
+            if lab in rows_of:
                 rows_of[lab].append(i)
         cent = np.vstack([np.asarray(x[rows_of[c]].mean(axis=0)) for c in codes])
         cent /= np.linalg.norm(cent, axis=1, keepdims=True) + 1e-12
@@ -330,6 +339,9 @@ class _Fallback:
                 out.append(NONE_LABEL)
                 continue
             cand = [k for k, f in enumerate(self.code_family) if f == fam]
+            if not cand:  # a family learned from code-less lines only
+                out.append(NONE_LABEL)
+                continue
             out.append(self.codes[max(cand, key=lambda k: sims[row, k])])
         return out, proba[np.arange(len(lines)), best]
 
@@ -358,8 +370,10 @@ class Normalizer:
         training: Sequence[tuple[str, str | None]] | None = None,
         cache: bool | None = None,
     ) -> None:
-        """``training``: real (text, code-or-None) lines for the fallback, besides the
-        catalog's examples; None means the shipped corpus (ingest/data/corpus).
+        """``training``: real (text, label) lines for the fallback, besides the
+        catalog's examples; the label is a code, a family (a fault line no code
+        fits) or None (an ordinary line); None means the shipped corpus
+        (ingest/data/corpus, all its sets).
         ``cache``: keep the fitted fallback on disk (``$RCA_HOME/cache``) and
         reuse it while its training inputs are unchanged; None means only for
         the shipped corpus (cross-validation folds are not cached)."""

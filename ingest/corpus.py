@@ -17,8 +17,11 @@ __all__ = [
     "BENIGN_TEMPLATES",
     "TRACEBACK_BOILERPLATE",
     "CORPUS_DIR",
+    "BASE_SET",
+    "corpus_sets",
     "real_corpus",
     "training_corpus",
+    "training_label",
 ]
 
 #: Real lines gathered from public issue threads and source (see SOURCES.md there).
@@ -159,25 +162,58 @@ def benign_lines(n: int, *, seed: int = 0) -> list[str]:
     return [rng.choice(BENIGN_TEMPLATES).format(**_values(rng)) for _ in range(n)]
 
 
-def real_corpus(folder: str | Path = CORPUS_DIR) -> tuple[list[dict[str, Any]], list[str]]:
-    """(labelled real fault lines, real ordinary lines) from a corpus folder."""
+#: Name of the set a corpus line belongs to when it carries no ``set`` field.
+BASE_SET = "corpus"
+
+
+def corpus_sets(
+    folder: str | Path = CORPUS_DIR,
+) -> dict[str, tuple[list[dict[str, Any]], list[str]]]:
+    """The corpus split by provenance: set name -> (fault lines, ordinary lines).
+
+    A fault line's set is its ``set`` field (``BASE_SET`` without one); ordinary
+    lines of set S are in ``benign_lines.S.txt`` (``benign_lines.txt``: the base
+    set). The shipped corpus holds the lines gathered for it plus the former
+    held-out sets (``dev``, ``holdout2``, ``holdout3``), moved in once scored; a
+    plain folder (a new held-out set) is one set."""
     root = Path(folder)
-    errors = [
-        json.loads(x)
-        for x in (root / "error_lines.jsonl").read_text(encoding="utf-8").splitlines()
-        if x.strip()
-    ]
-    benign = [
-        x for x in (root / "benign_lines.txt").read_text(encoding="utf-8").splitlines() if x.strip()
-    ]
+    sets: dict[str, tuple[list[dict[str, Any]], list[str]]] = {}
+    for x in (root / "error_lines.jsonl").read_text(encoding="utf-8").splitlines():
+        if x.strip():
+            e = json.loads(x)
+            sets.setdefault(str(e.get("set", BASE_SET)), ([], []))[0].append(e)
+    for path in sorted(root.glob("benign_lines*.txt")):
+        name = path.name.removeprefix("benign_lines").removesuffix(".txt").lstrip(".") or BASE_SET
+        lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        sets.setdefault(name, ([], []))[1].extend(lines)
+    if not (root / "benign_lines.txt").is_file():
+        raise FileNotFoundError(2, "No such file", str(root / "benign_lines.txt"))
+    return sets
+
+
+def real_corpus(folder: str | Path = CORPUS_DIR) -> tuple[list[dict[str, Any]], list[str]]:
+    """(labelled real fault lines, real ordinary lines) from a corpus folder, all
+    its sets together (see :func:`corpus_sets`)."""
+    errors: list[dict[str, Any]] = []
+    benign: list[str] = []
+    for errs, ben in corpus_sets(folder).values():
+        errors += errs
+        benign += ben
     return errors, benign
 
 
+def training_label(line: dict[str, Any]) -> str:
+    """What a labelled fault line teaches the fallback: its catalog code, or its
+    family when no code fits (the family is still learned)."""
+    return str(line.get("code") or line["family"])
+
+
 def training_corpus(folder: str | Path = CORPUS_DIR) -> list[tuple[str, str | None]]:
-    """(text, code) pairs for the learned fallback: labelled fault lines and
-    ordinary lines (code None). Empty if the corpus is not installed."""
+    """(text, label) pairs for the learned fallback: labelled fault lines (label:
+    a code, or a family for lines no code fits) and ordinary lines (None).
+    Empty if the corpus is not installed."""
     try:
         errors, benign = real_corpus(folder)
     except FileNotFoundError:
         return []
-    return [(e["text"], e["code"]) for e in errors if e.get("code")] + [(b, None) for b in benign]
+    return [(e["text"], training_label(e)) for e in errors] + [(b, None) for b in benign]

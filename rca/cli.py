@@ -478,7 +478,18 @@ def bench_corpus(
     from rca.bench.corpus import evaluate_corpus
 
     res = evaluate_corpus(corpus or CORPUS_DIR, crashlogs, folds=folds, threshold=threshold)
-    _print_figures(res, as_json, {"per_family", "misses", "flagged_benign", "crashlog_answers"})
+    _print_figures(
+        res,
+        as_json,
+        {
+            "per_family",
+            "misses",
+            "flagged_benign",
+            "crashlog_answers",
+            "leave_one_set_out_misses",
+            "leave_one_set_out_flagged",
+        },
+    )
     if as_json:
         return
     for fam, c in res["per_family"].items():
@@ -490,6 +501,10 @@ def bench_corpus(
             typer.echo(f"  miss want={m['want']} got={m['got']}: {m['text']}")
         for m in res["flagged_benign"]:
             typer.echo(f"  false alarm {m['code']}: {m['text']}")
+        for m in res.get("leave_one_set_out_misses", []):
+            typer.echo(f"  left-out {m['set']} miss want={m['want']} got={m['got']}: {m['text']}")
+        for m in res.get("leave_one_set_out_flagged", []):
+            typer.echo(f"  left-out false alarm {m['code']}: {m['text']}")
 
 
 @bench_app.command("probes")

@@ -1,10 +1,13 @@
 """Quality gates on real text: they fail if the classifier or the postmortem
 ranking gets worse.
 
-* ``ingest/data/corpus``: the training corpus, scored by cross-validation;
-* ``tests/fixtures/real/dev``: the development set (the first held-out set,
-  looked at for error analysis, never trained on), scored as shipped;
-* ``tests/fixtures/real/crashlogs``: real multi-line crash logs.
+* ``ingest/data/corpus``: the training corpus, made of sets (the lines gathered
+  for it and the former held-out sets ``dev``, ``holdout2``, ``holdout3``,
+  trained on since round 4), scored by k-fold cross-validation and by
+  leave-one-set-out (train without a set, score it: the estimate for a new set);
+* ``tests/fixtures/real/crashlogs``: real multi-line crash logs;
+* ``tests/fixtures/real/holdout4``: the next independent set, gated below once
+  the lead scored it (``HOLDOUT4_GATE``).
 
 The thresholds sit a few points under the measured figures (see CHANGELOG),
 so a real regression fails and run-to-run noise does not.
@@ -16,79 +19,99 @@ from pathlib import Path
 
 import pytest
 
-from graph.catalog import default_catalog
-from ingest.corpus import real_corpus
+from graph.catalog import FAMILIES, default_catalog
+from ingest.corpus import BASE_SET, CORPUS_DIR, corpus_sets, real_corpus, training_corpus
 from rca.bench.corpus import evaluate_corpus
 
 REAL = Path(__file__).with_name("fixtures") / "real"
 CRASHLOGS = REAL / "crashlogs"
-DEV = REAL / "dev"
+#: Sets moved into the training corpus once scored (round 4).
+FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3")
+#: Gates, a few points under what round 4 measured (3-fold: 0.896 family
+#: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
+#: out: dev 0.972, holdout2 0.876-0.889, holdout3 0.848-0.852, pooled
+#: precision 0.953, 1/1077 flagged: a line or two move with each catalog
+#: change). Before round 4's patterns, leave one set out measured
+#: 0.884 / 0.711 / 0.621 (pooled 0.726).
+KFOLD_MIN = 0.87
+LOSO_MIN = {"dev": 0.94, "holdout2": 0.86, "holdout3": 0.82}
 
 
 @pytest.fixture(scope="module")
 def scores() -> dict:
+    """3-fold cross-validation, leave-one-set-out and the crash logs, in one call."""
     return evaluate_corpus(crashlogs=CRASHLOGS, folds=3)
-
-
-@pytest.fixture(scope="module")
-def dev_scores() -> dict:
-    return evaluate_corpus(DEV, None, folds=0)
 
 
 def test_corpus_is_real_and_broad() -> None:
     errors, benign = real_corpus()
-    assert len(errors) >= 490 and len({e["project"] for e in errors}) >= 65
-    assert len({e["family"] for e in errors}) >= 20
-    assert len(benign) >= 670
-    # round 3 widened the corpus beyond the big engines (kernel AER, ROCm, Ascend,
-    # Mooncake/NIXL, Dynamo, envoy, TEI, Triton python backend...)
-    assert len({e["project"] for e in errors if e.get("round") == 3}) >= 40
+    assert len(errors) >= 1140 and len({e["project"] for e in errors}) >= 130
+    assert len({e["family"] for e in errors}) == len(FAMILIES)
+    assert len(benign) >= 1750
+    sets = corpus_sets()
+    assert {BASE_SET, *FORMER_HOLDOUTS} <= set(sets)  # holdout4 joins once scored
+    for name in FORMER_HOLDOUTS:  # each set gathered apart, with its own sources
+        errs, ben = sets[name]
+        assert len(errs) >= 150 and len(ben) >= 280, name
+        assert (CORPUS_DIR / f"SOURCES.{name}.md").is_file()
 
 
-def test_training_corpus_never_holds_a_dev_line() -> None:
-    """The dev set is for error analysis only: none of its lines may train the
-    fallback (the corpus) or be a catalog example added for it."""
+def test_corpus_lines_are_labelled_consistently() -> None:
+    """Every fault line has a family, and its code (when one fits) is a catalog
+    code of that family; no line appears twice, in or across sets."""
+    catalog = default_catalog()
     errors, benign = real_corpus()
-    dev_errors, dev_benign = real_corpus(DEV)
-    dev = {e["text"] for e in dev_errors} | set(dev_benign)
-    assert not dev & ({e["text"] for e in errors} | set(benign))
-    # Lines equal to catalog examples that predate the dev set are counted apart
-    # by the bench (``family_accuracy_unseen``); no more may appear.
-    examples = {ex for code in default_catalog() for ex in code.examples}
-    assert len(dev & examples) <= 27
+    for e in errors:
+        assert e["family"] in FAMILIES, e
+        assert e["code"] is None or catalog[e["code"]].family == e["family"], e
+    texts = [e["text"].strip() for e in errors] + [b.strip() for b in benign]
+    assert len(texts) == len(set(texts))
 
 
-def test_ordinary_lines_are_not_flagged(scores, dev_scores) -> None:
+def test_the_fallback_trains_on_every_corpus_file() -> None:
+    """Every set's fault lines (also those no code fits: their family is
+    learned) and every ordinary-lines file are training data, so each is part
+    of the cached model's key."""
+    training = training_corpus()
+    errors, benign = real_corpus()
+    assert len(training) == len(errors) + len(benign)
+    labels = {t: lab for t, lab in training}
+    for name, (errs, ben) in corpus_sets().items():
+        assert all(labels[e["text"]] == (e["code"] or e["family"]) for e in errs), name
+        assert all(labels[b] is None for b in ben), name
+
+
+def test_ordinary_lines_are_not_flagged(scores) -> None:
     assert scores["benign_flagged_share"] <= 0.03, scores["flagged_benign"]
-    assert dev_scores["benign_flagged_share"] <= 0.03, dev_scores["flagged_benign"]
+    for name, s in scores["leave_one_set_out"].items():
+        assert s["benign_flagged_share"] <= 0.03, (name, scores["leave_one_set_out_flagged"])
 
 
-def test_answers_are_rarely_wrong(scores, dev_scores) -> None:
+def test_answers_are_rarely_wrong(scores) -> None:
     # a confident wrong family is worse than "unknown"
-    assert scores["precision_when_answered"] >= 0.97, scores["misses"]
-    assert dev_scores["precision_when_answered"] >= 0.95, dev_scores["misses"]
+    assert scores["precision_when_answered"] >= 0.95, scores["misses"]
+    loso = scores["leave_one_set_out"]["pooled"]
+    assert loso["precision_when_answered"] >= 0.93, scores["leave_one_set_out_misses"]
 
 
 def test_family_accuracy_does_not_regress(scores) -> None:
-    # measured 0.95 (5-fold) on the lines of rounds 1-2; many corpus lines are
-    # also catalog examples, so this mostly guards the patterns and the model
-    # against regressions. Round 3 added harder text from projects the first
-    # rounds never saw (measured 0.74-0.76, precision 0.96; 0.89 over all
-    # lines; the previous classifier got 0.49 / 0.87 on them before round 3).
+    """3-fold cross-validation over all 1,144 lines (measured 0.896)."""
+    assert scores["family_accuracy"] >= KFOLD_MIN, scores["misses"]
     rounds = scores["by_round"]
-    assert rounds["1-2"]["family_accuracy"] >= 0.93, scores["misses"]
+    # the first rounds' lines, mostly catalog-covered (measured 0.954), and the
+    # third round's harder text from projects they never saw (0.736)
+    assert rounds["1-2"]["family_accuracy"] >= 0.92, scores["misses"]
     assert rounds["3"]["family_accuracy"] >= 0.70, scores["misses"]
-    assert rounds["3"]["precision_when_answered"] >= 0.93, scores["misses"]
-    assert scores["family_accuracy"] >= 0.86, scores["misses"]
 
 
-def test_dev_set_scored_as_shipped(dev_scores) -> None:
-    """Real lines from other threads, never trained on (measured 0.873 overall,
-    0.857 on the 154 lines that are not catalog examples; 0.757 before this
-    round). Looked at for error analysis, so optimistic for unseen text."""
-    assert dev_scores["error_lines"] >= 150 and dev_scores["projects"] >= 5
-    assert dev_scores["family_accuracy"] >= 0.85, dev_scores["misses"]
-    assert dev_scores["family_accuracy_unseen"] >= 0.83, dev_scores["misses"]
+def test_leave_one_set_out(scores) -> None:
+    """Train without one former held-out set, score it: the honest estimate of
+    accuracy on a set gathered apart (optimistic still: round 4's patterns were
+    written after reading these sets' misses). Measured: see LOSO_MIN."""
+    loso = scores["leave_one_set_out"]
+    for name, floor in LOSO_MIN.items():
+        assert loso[name]["error_lines"] >= 150, name
+        assert loso[name]["family_accuracy"] >= floor, (name, scores["leave_one_set_out_misses"])
 
 
 def test_postmortems_name_the_deepest_cause(scores) -> None:
@@ -113,37 +136,32 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
     )
 
 
-# --- New held-out set ------------------------------------------------------
-# tests/fixtures/real/holdout2 was gathered while the classifier was being
-# changed, by someone who never ran it, and scored once afterwards (0.650 family
-# accuracy on 226 fault lines from 67 projects, 92.5% precision when it
-# answers, 0/406 ordinary lines flagged; after the third round, which did not
-# look at it: 0.667 on 225 lines, 92.0%). Its misses are not used to tune: this
-# gate only keeps the figure from falling.
-HOLDOUT2 = REAL / "holdout2"
+# --- The next independent set ------------------------------------------------
+# tests/fixtures/real/holdout4 was gathered by someone who never ran the
+# classifier, and scored once, after round 4, with
+#   .venv/bin/rca bench corpus --corpus tests/fixtures/real/holdout4 --folds 0
+# HOLDOUT4_GATE (a little under the figures) keeps the figure from falling.
+# (Round 4's author saw about ten of its lines, after writing the patterns
+# that match them, when a check of those patterns read the fixtures folder.)
+HOLDOUT4 = REAL / "holdout4"
+#: Scored once, after round 4: family 0.693 (before round 4: 0.647), precision
+#: 0.965 when it answers, 1/392 ordinary lines flagged.
+HOLDOUT4_GATE: dict[str, float] | None = {
+    "family_accuracy": 0.67,
+    "precision_when_answered": 0.94,
+    "benign_flagged_share": 0.01,
+}
 
 
-HOLDOUT3 = REAL / "holdout3"
-
-
-def test_independent_holdout3_scored_as_shipped() -> None:
-    """A third set, gathered during the third classifier round by someone who
-    never ran the classifier, scored once after it: 0.605 family accuracy on
-    243 fault lines from 63 projects, 85.5% precision when it answers, 1/384
-    ordinary lines flagged."""
-    s = evaluate_corpus(HOLDOUT3, None, folds=0)
+def test_independent_holdout4_scored_as_shipped() -> None:
+    if HOLDOUT4_GATE is None or not (HOLDOUT4 / "error_lines.jsonl").is_file():
+        pytest.skip("holdout4 not scored yet: the lead sets HOLDOUT4_GATE after scoring it once")
+    s = evaluate_corpus(HOLDOUT4, None, folds=0)
+    assert s["lines_also_in_training_corpus"] == 0  # unseen text, or the figure means nothing
     assert s["error_lines"] >= 150 and s["projects"] >= 5
-    assert s["family_accuracy"] >= 0.58
-    assert s["precision_when_answered"] >= 0.83
-    assert s["benign_flagged_share"] <= 0.03
-
-
-def test_independent_holdout2_scored_as_shipped() -> None:
-    s = evaluate_corpus(HOLDOUT2, None, folds=0)
-    assert s["error_lines"] >= 150 and s["projects"] >= 5
-    assert s["family_accuracy"] >= 0.62
-    assert s["precision_when_answered"] >= 0.90
-    assert s["benign_flagged_share"] <= 0.03
+    assert s["family_accuracy"] >= HOLDOUT4_GATE["family_accuracy"], s["misses"]
+    assert s["precision_when_answered"] >= HOLDOUT4_GATE["precision_when_answered"]
+    assert s["benign_flagged_share"] <= HOLDOUT4_GATE["benign_flagged_share"]
 
 
 # --- Cached fallback model ------------------------------------------------

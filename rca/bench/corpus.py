@@ -1,18 +1,22 @@
 """`rca bench corpus`: how well text becomes evidence, on a labelled real corpus.
 
-Three kinds of real text, and how each is scored (the output's ``set`` says
-which one a figure is about):
+Kinds of real text, and how each is scored (the output's ``set`` says which
+one a figure is about):
 
 * the training corpus (``ingest/data/corpus``: real fault lines labelled with
-  the family and code an engineer gives them, and real ordinary lines) also
-  trains the learned fallback, so it is scored with k-fold cross-validation:
-  each fold is classified by a fallback trained without it;
-* the development set (``tests/fixtures/real/dev``, the first held-out set,
-  now used for error analysis) and any later held-out set are scored with
-  ``folds=0`` by the shipped classifier, which never trains on them. Lines
-  identical to a catalog example are counted apart
-  (``family_accuracy_unseen``): the patterns were checked against them, so
-  they are not unseen text;
+  the family and code an engineer gives them, and real ordinary lines) trains
+  the learned fallback, so it is scored with k-fold cross-validation: each
+  fold is classified by a fallback trained without it;
+* the corpus is made of sets (``corpus_sets``: the lines gathered for it and
+  the former held-out sets ``dev``, ``holdout2``, ``holdout3``, moved in once
+  scored). ``leave_one_set_out`` trains without one of them and scores it: a
+  set gathered apart, from other threads and projects, is the honest estimate
+  of accuracy on a new set (optimistic still: patterns were written after
+  reading these sets' misses);
+* a held-out set that is not trained on (a new folder) is scored with
+  ``folds=0`` by the shipped classifier. Lines identical to a catalog example
+  are counted apart (``family_accuracy_unseen``): the patterns were checked
+  against them, so they are not unseen text;
 * crash logs (a folder with ``expected.json``) are diagnosed with a fallback
   trained on the catalog's examples only.
 """
@@ -22,73 +26,37 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from graph.catalog import default_catalog
+from graph.catalog import Catalog, default_catalog
 from graph.errors import InputError
-from ingest.classify import Normalizer
-from ingest.corpus import CORPUS_DIR, real_corpus
+from ingest.classify import LineResult, Normalizer
+from ingest.corpus import BASE_SET, CORPUS_DIR, corpus_sets, training_label
 
-__all__ = ["evaluate_corpus", "DEFAULT_CRASHLOGS", "DEFAULT_DEV"]
+__all__ = ["evaluate_corpus", "score_lines", "DEFAULT_CRASHLOGS"]
 
 DEFAULT_CRASHLOGS = Path("tests/fixtures/real/crashlogs")
-#: The development set: real lines for error analysis, never trained on.
-DEFAULT_DEV = Path("tests/fixtures/real/dev")
 
 
-def evaluate_corpus(
-    corpus: str | Path = CORPUS_DIR,
-    crashlogs: str | Path | None = DEFAULT_CRASHLOGS,
-    *,
-    folds: int = 5,
-    seed: int = 0,
-    threshold: float | None = None,
+def score_lines(
+    catalog: Catalog,
+    errors: list[dict[str, Any]],
+    got: list[LineResult],
+    benign: list[str],
+    flagged: list[tuple[str, str]],
 ) -> dict[str, Any]:
-    """Score a labelled corpus. With ``folds`` >= 2 the fallback is trained on the
-    other folds of this corpus (cross-validation); with ``folds`` = 0 the corpus
-    is a held-out set scored by the shipped classifier (trained on the shipped
-    corpus), which must not contain any of its lines."""
-    try:
-        errors, benign = real_corpus(corpus)
-    except FileNotFoundError as exc:
-        raise InputError(f"{corpus}: not a corpus folder ({exc.filename} missing)") from exc
-    catalog = default_catalog()
-    rng = random.Random(seed)
-    e_fold = [i % max(folds, 1) for i in range(len(errors))]
-    b_fold = [i % max(folds, 1) for i in range(len(benign))]
-    rng.shuffle(e_fold)
-    rng.shuffle(b_fold)
-    got: list[Any] = [None] * len(errors)
-    flagged: list[tuple[str, str]] = []
-    shipped = Normalizer(catalog, threshold=threshold)
-    if folds == 0:
-        norm = shipped
-        got = norm.classify([e["text"] for e in errors])
-        flagged = [
-            (b, r.code) for b, r in zip(benign, norm.classify(benign), strict=True) if r.code
-        ]
-    for k in range(folds if folds >= 2 else 0):
-        train = [
-            (e["text"], e["code"])
-            for e, f in zip(errors, e_fold, strict=True)
-            if f != k and e.get("code")
-        ]
-        train += [(b, None) for b, f in zip(benign, b_fold, strict=True) if f != k]
-        norm = shipped.retrained(train)
-        idx = [i for i, f in enumerate(e_fold) if f == k]
-        for i, res in zip(idx, norm.classify([errors[i]["text"] for i in idx]), strict=True):
-            got[i] = res
-        held = [b for b, f in zip(benign, b_fold, strict=True) if f == k]
-        flagged += [(b, r.code) for b, r in zip(held, norm.classify(held), strict=True) if r.code]
-    right = unknown = by_pattern = by_model = 0
+    """Figures for classified fault lines (``got``, aligned with ``errors``) and
+    the ordinary lines that were ``flagged`` as faults (text, code)."""
+    right = unknown = by_pattern = by_model = right_unseen = 0
     examples = {ex for code in catalog for ex in code.examples}
     seen = [e["text"] in examples for e in errors]
-    right_unseen = 0
     per_family: dict[str, Counter] = defaultdict(Counter)
     misses = []
     for e, res, is_example in zip(errors, got, seen, strict=True):
         fam = e["family"]
+        where = str(e.get("set", BASE_SET))
         if res.family == fam:
             right += 1
             right_unseen += not is_example
@@ -98,7 +66,7 @@ def evaluate_corpus(
         elif res.family is None:
             unknown += 1
             per_family[fam]["unknown"] += 1
-            misses.append({"text": e["text"][:160], "want": fam, "got": None})
+            misses.append({"text": e["text"][:160], "want": fam, "got": None, "set": where})
         else:
             per_family[fam]["wrong"] += 1
             misses.append(
@@ -108,19 +76,14 @@ def evaluate_corpus(
                     "got": res.family,
                     "code": res.code,
                     "method": res.method,
+                    "set": where,
                 }
             )
     n = len(errors)
     n_unseen = n - sum(seen)
-    out: dict[str, Any] = {
-        "set": (
-            f"{corpus}: training corpus, {folds}-fold cross-validation"
-            if folds >= 2
-            else f"{corpus}: not trained on, scored by the shipped classifier"
-        ),
+    return {
         "error_lines": n,
         "projects": len({e["project"] for e in errors}),
-        "folds": folds,
         "family_accuracy": round(right / n, 4) if n else None,
         "catalog_example_lines": n - n_unseen,
         "family_accuracy_unseen": round(right_unseen / n_unseen, 4) if n_unseen else None,
@@ -133,10 +96,140 @@ def evaluate_corpus(
         "benign_flagged": len(flagged),
         "benign_flagged_share": round(len(flagged) / len(benign), 4) if benign else None,
         "per_family": {k: dict(v) for k, v in sorted(per_family.items())},
-        "by_round": _by_round(errors, got),
         "misses": misses,
         "flagged_benign": [{"text": x[:160], "code": c} for x, c in flagged],
     }
+
+
+def _flagged(norm: Normalizer, benign: list[str]) -> list[tuple[str, str]]:
+    return [(b, r.code) for b, r in zip(benign, norm.classify(benign), strict=True) if r.code]
+
+
+def _leave_one_set_out(
+    shipped: Normalizer, sets: dict[str, tuple[list[dict[str, Any]], list[str]]]
+) -> dict[str, Any]:
+    """Train without each set but the base one in turn and score it; the pooled
+    figures are over all the left-out lines."""
+    per_set: dict[str, Any] = {}
+    pooled: tuple[list, list, list, list] = ([], [], [], [])
+    for name in sorted(sets):
+        if name == BASE_SET:
+            continue
+        train = [
+            (e["text"], training_label(e))
+            for other, (errs, _) in sets.items()
+            if other != name
+            for e in errs
+        ]
+        train += [(b, None) for other, (_, ben) in sets.items() if other != name for b in ben]
+        norm = shipped.retrained(train)
+        errors, benign = sets[name]
+        got = norm.classify([e["text"] for e in errors])
+        flagged = _flagged(norm, benign)
+        per_set[name] = score_lines(shipped.catalog, errors, got, benign, flagged)
+        for acc, part in zip(pooled, (errors, got, benign, flagged), strict=True):
+            acc.extend(part)
+    if not per_set:
+        return {}
+    out = {"pooled": score_lines(shipped.catalog, *pooled)}
+    out.update(per_set)
+    return out
+
+
+def evaluate_corpus(
+    corpus: str | Path = CORPUS_DIR,
+    crashlogs: str | Path | None = DEFAULT_CRASHLOGS,
+    *,
+    folds: int = 5,
+    seed: int = 0,
+    threshold: float | None = None,
+    by_set: bool = True,
+) -> dict[str, Any]:
+    """Score a labelled corpus. With ``folds`` >= 2 the fallback is trained on the
+    other folds of this corpus (cross-validation) and, when the corpus holds
+    several sets and ``by_set``, each set is also scored by a fallback trained
+    without it (``leave_one_set_out``); with ``folds`` = 0 the corpus is a
+    held-out set scored by the shipped classifier (trained on the shipped
+    corpus), which must not contain any of its lines."""
+    try:
+        sets = corpus_sets(corpus)
+    except FileNotFoundError as exc:
+        raise InputError(f"{corpus}: not a corpus folder ({exc.filename} missing)") from exc
+    errors = [e for errs, _ in sets.values() for e in errs]
+    benign = [b for _, ben in sets.values() for b in ben]
+    catalog = default_catalog()
+    rng = random.Random(seed)
+    e_fold = [i % max(folds, 1) for i in range(len(errors))]
+    b_fold = [i % max(folds, 1) for i in range(len(benign))]
+    rng.shuffle(e_fold)
+    rng.shuffle(b_fold)
+    got: list[Any] = [None] * len(errors)
+    flagged: list[tuple[str, str]] = []
+    shipped = Normalizer(catalog, threshold=threshold)
+    if folds == 0:
+        got = shipped.classify([e["text"] for e in errors])
+        flagged = _flagged(shipped, benign)
+    for k in range(folds if folds >= 2 else 0):
+        train = [
+            (e["text"], training_label(e)) for e, f in zip(errors, e_fold, strict=True) if f != k
+        ]
+        train += [(b, None) for b, f in zip(benign, b_fold, strict=True) if f != k]
+        norm = shipped.retrained(train)
+        idx = [i for i, f in enumerate(e_fold) if f == k]
+        for i, res in zip(idx, norm.classify([errors[i]["text"] for i in idx]), strict=True):
+            got[i] = res
+        flagged += _flagged(norm, [b for b, f in zip(benign, b_fold, strict=True) if f == k])
+    out: dict[str, Any] = {
+        "set": (
+            f"{corpus}: training corpus, {folds}-fold cross-validation"
+            if folds >= 2
+            else f"{corpus}: not trained on, scored by the shipped classifier"
+        ),
+        "folds": folds,
+    }
+    if folds == 0:  # a held-out set must share no line with what the fallback learns
+        from ingest.corpus import training_corpus
+
+        trained = {t.strip() for t, _ in training_corpus()}
+        out["lines_also_in_training_corpus"] = sum(
+            x.strip() in trained for x in [e["text"] for e in errors] + benign
+        )
+    scored = score_lines(catalog, errors, got, benign, flagged)
+    misses = scored.pop("misses")
+    flagged_benign = scored.pop("flagged_benign")
+    out.update(scored)
+    out["by_set"] = _by_group(errors, got, lambda e: str(e.get("set", BASE_SET)))
+    # gathering rounds of the base set (lines without one are from the first two);
+    # a former held-out set counts as its own round
+    out["by_round"] = _by_group(
+        errors, got, lambda e: str(e.get("round", "1-2") if "set" not in e else e["set"])
+    )
+    if folds >= 2 and by_set and len(sets) > 1:
+        loso = _leave_one_set_out(shipped, sets)
+        out["leave_one_set_out"] = {
+            name: {
+                k: v[k]
+                for k in (
+                    "error_lines",
+                    "family_accuracy",
+                    "catalog_example_lines",
+                    "family_accuracy_unseen",
+                    "precision_when_answered",
+                    "unknown",
+                    "wrong",
+                    "benign_flagged_share",
+                )
+            }
+            for name, v in loso.items()
+        }
+        out["leave_one_set_out_misses"] = [
+            m for name, v in loso.items() if name != "pooled" for m in v["misses"]
+        ]
+        out["leave_one_set_out_flagged"] = [
+            f for name, v in loso.items() if name != "pooled" for f in v["flagged_benign"]
+        ]
+    out["misses"] = misses
+    out["flagged_benign"] = flagged_benign
     crash = Path(crashlogs) / "expected.json" if crashlogs else None
     if crash is not None and crash.is_file():
         from rca.diagnose import diagnose_paths
@@ -163,13 +256,15 @@ def evaluate_corpus(
     return out
 
 
-def _by_round(errors: list[dict[str, Any]], got: list[Any]) -> dict[str, dict[str, Any]]:
-    """Family accuracy and precision per gathering round (a line's optional
-    ``round`` field; lines without one are from the first rounds): a gate on the
-    earlier lines still catches regressions when a later round adds harder text."""
+def _by_group(
+    errors: list[dict[str, Any]], got: list[Any], key: Callable[[dict[str, Any]], str]
+) -> dict[str, dict[str, Any]]:
+    """Family accuracy and precision per group of lines (``key`` of a line: its
+    gathering round, or the set it was gathered for): a gate on the earlier
+    lines still catches regressions when later lines are harder text."""
     groups: dict[str, list[tuple[str, str | None]]] = defaultdict(list)
     for e, res in zip(errors, got, strict=True):
-        groups[str(e.get("round", "1-2"))].append((e["family"], res.family))
+        groups[key(e)].append((e["family"], res.family))
     out = {}
     for name, pairs in sorted(groups.items()):
         n = len(pairs)

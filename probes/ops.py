@@ -282,6 +282,10 @@ class Checker:
         #: elements kept by reference per step at most
         self.detail_budget_elems = 1 << 22
         self._splan: list[tuple[Any, ...] | None] = []
+        self._plan_version = 0  # bumped by every new plan: _drain's ``ready`` list follows
+        self._group_ids: dict[Any, int] = {}
+        self._ready: list[tuple[Any, ...] | None] = []
+        self._ready_key: Any = None
         #: outputs of at most this many elements are summed in groups (:meth:`_flush`)
         self.group_max_elems = 1 << 14
         self._pending: list[tuple[int, torch.Tensor, tuple[Any, ...]]] = []
@@ -389,6 +393,7 @@ class Checker:
         self._splan.append(None)
         self._container.append(False)
         self._fast.append(lo == -_F32_MAX and hi == _F32_MAX)
+        self._plan_version += 1
         return len(self._fslots) - 1
 
     def _register_i(
@@ -523,6 +528,7 @@ class Checker:
             ion = [self._bounds if s.gate == "bounds" else self._state for s in self._islots]
             self._ftier = tiers
             self._ion = ion
+            self._plan_version += 1
             self._feff = tiers if self._active else self._fzero
             self._ieff = ion if self._active else self._izero
             self._mask_dirty = True
@@ -1098,7 +1104,12 @@ class Checker:
 
     def _drain(self) -> dict[Any, list[tuple[int, torch.Tensor, tuple[Any, ...]]]]:
         """The queue in one tight loop (locals only): an output whose shape has a
-        plan waits in its group; anything else takes :meth:`_on_output`."""
+        plan waits in its group; anything else takes :meth:`_on_output`.
+
+        Right after a forward pass every line runs on cold caches (~1 us each),
+        so the per-site conditions that change only with a new plan, new tiers
+        or a new batch size are folded into one list, ``ready[slot]``: the
+        site's plan when its output may wait in a group, else None."""
         groups: dict[Any, list[tuple[int, torch.Tensor, tuple[Any, ...]]]] = {}
         for slot, x, plan in self._pending:
             groups.setdefault(plan[8], []).append((slot, x, plan))
@@ -1107,42 +1118,47 @@ class Checker:
         if not queue:
             return groups
         self._queue = []
-        splan, fstamp, feff, fast = self._splan, self._fstamp, self._feff, self._fast
-        order, refs, rows, step = self._order, self._refs, self._rows, self._stepno
-        tensor, last = torch.Tensor, self._last_x
+        feff, rows = self._feff, self._rows
+        key = (rows, self._plan_version, id(feff))
+        if self._ready_key != key:
+            self._ready_key = key
+            self._ready = [
+                p if (p is not None and p[7] and fast and t and p[1] == rows) else None
+                for p, fast, t in zip(self._splan, self._fast, feff, strict=False)
+            ]
+        ready, fstamp, order, refs = self._ready, self._fstamp, self._order, self._refs
+        step, tensor, last = self._stepno, torch.Tensor, self._last_x
+        ref_elems, budget = self._ref_elems, self.detail_budget_elems
         grad = torch.is_grad_enabled()  # else no output can require grad
         for slot, output in queue:
             x = output if type(output) is tensor else _first_float(output)
             if x is None or x is last:
                 continue
-            plan = splan[slot]
+            plan = ready[slot]
             if (
                 plan is None
-                or not plan[7]
-                or not fast[slot]
-                or not feff[slot]
-                or (feff[slot] >= 2 and type(output) is not tensor)  # its other outputs too
-                or plan[1] != rows
                 or plan[0] != x.shape
                 or (grad and x.requires_grad)
+                or (type(output) is not tensor and feff[slot] >= 2)  # its other outputs too
             ):
-                self._last_x = last
+                self._last_x, self._ref_elems = last, ref_elems
                 self._on_output(slot, (), output)
-                last = self._last_x
+                last, ref_elems = self._last_x, self._ref_elems
                 continue
             last = x
             if fstamp[slot] != step:
                 fstamp[slot] = step
                 order.append(slot)
-                if plan[6] and self._ref_elems < self.detail_budget_elems:
+                if plan[6] and ref_elems < budget:
                     refs[slot] = x
-                    self._ref_elems += plan[6]
-            group = groups.get(plan[8])
+                    ref_elems += plan[6]
+            gid = plan[8]
+            group = groups.get(gid)
             if group is None:
-                groups[plan[8]] = [(slot, x, plan)]
+                groups[gid] = [(slot, x, plan)]
             else:
                 group.append((slot, x, plan))
-        self._last_x = last
+        self._last_x, self._ref_elems = last, ref_elems
         self._touched = True
         for slot, x, plan in self._pending:  # queued by _on_output above
             groups.setdefault(plan[8], []).append((slot, x, plan))
@@ -1166,9 +1182,11 @@ class Checker:
         numel = x.numel()
         keep = numel if numel <= self.detail_max_elems else 0
         wait = dims is not None and mode == "row" and numel <= self.group_max_elems
-        group = (x.shape[:-1], x.dtype, x.device) if wait else ("single", slot)
+        key = (x.shape[:-1], x.dtype, x.device) if wait else ("single", slot)
+        group = self._group_ids.setdefault(key, len(self._group_ids))  # an int: cheap to hash
         plan = (x.shape, self._rows, x.dtype, view, dims, width, keep, wait, group)
         self._splan[slot] = plan
+        self._plan_version += 1
         return plan
 
     def _traced_output(self, slot: int, output: Any) -> None:
@@ -1383,6 +1401,7 @@ class Checker:
             if hi is not None:
                 s.hi = float(hi)
             self._fast[slot] = s.lo == -_F32_MAX and s.hi == _F32_MAX
+            self._plan_version += 1
             if self._allocated:
                 self._flo[slot] = s.lo
                 self._fhi[slot] = s.hi
@@ -2512,25 +2531,32 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
 
 
 def _first_float(obj: Any) -> torch.Tensor | None:
+    """The output a site checks: the tensor, a model output's ``logits``, or the
+    first float tensor of a tuple / list / mapping. The cheap type tests come
+    first: an ABC ``isinstance(obj, Mapping)`` costs microseconds on a tuple."""
     if isinstance(obj, torch.Tensor):
         return obj if obj.is_floating_point() else None
-    if isinstance(obj, Mapping):
+    if type(obj) is not tuple and type(obj) is not list and not isinstance(obj, (tuple, list)):
+        if not isinstance(obj, (dict, Mapping)):
+            return None
         logits = obj.get("logits") if hasattr(obj, "get") else None
         if isinstance(logits, torch.Tensor):
             return logits
         obj = list(obj.values())
-    if isinstance(obj, (tuple, list)):
-        for o in obj[:4]:
-            if isinstance(o, torch.Tensor) and o.is_floating_point():
-                return o
+    for o in obj[:4]:
+        if isinstance(o, torch.Tensor) and o.is_floating_point():
+            return o
     return None
 
 
 def _other_floats(obj: Any, first: torch.Tensor) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return []
-    vals = list(obj.values()) if isinstance(obj, Mapping) else obj
-    if not isinstance(vals, (tuple, list)):
+    if isinstance(obj, (tuple, list)):
+        vals = obj
+    elif isinstance(obj, (dict, Mapping)):
+        vals = list(obj.values())
+    else:
         return []
     return [
         o

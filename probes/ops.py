@@ -270,12 +270,15 @@ class Checker:
         self._wstamp: list[int] = []
         self._sstamp: list[int] = []
         self._istamp: list[int] = []
-        self._order: list[int] = []  # float sites in the order their hooks ran
+        # float sites in the order their hooks ran; a drained batch of outputs is
+        # one list entry until a failure needs it (_materialize)
+        self._order: list[Any] = []
         self._written: list[int] = []  # float sites with min/max cells written
         self._sorder: list[int] = []  # float sites with row-sum cells written
         self._fast: list[bool] = []  # per float site: NaN/inf only (one row sum)
         self._refs: dict[int, torch.Tensor] = {}  # site -> its output, for details
         self._ref_elems = 0
+        self._lazy = False  # _order holds drained outputs not expanded yet
         #: outputs of at most this many elements keep a reference until end_step
         #: (no copy), so a failure reports their exact min/max and a sample
         self.detail_max_elems = 1 << 18
@@ -289,7 +292,7 @@ class Checker:
         #: outputs of at most this many elements are summed in groups (:meth:`_flush`)
         self.group_max_elems = 1 << 14
         self._pending: list[tuple[int, torch.Tensor, tuple[Any, ...]]] = []
-        self._cover: dict[int, list[int]] = {}  # group cell's site -> the other sites
+        self._cover: dict[int, list[Any]] = {}  # group cell's site -> its groups
         self._container: list[bool] = []
         #: on the CPU, a few integers (a decode step's token ids) are checked in
         #: Python (host memory: nothing to sync); off, the CPU takes the device
@@ -1085,8 +1088,8 @@ class Checker:
         layer (a child of a ModuleList), of the model, or at end_step. Then the
         small ones, per group of equal leading dims and dtype: one
         concatenation along the last dim and one row sum, into the cells of the
-        group's first site; the group's other sites are remembered for the
-        failure path (:meth:`_sum_fails`). Never raises."""
+        group's first site; the group is remembered for the failure path
+        (:meth:`_sum_fails`). Never raises."""
         try:
             groups = self._drain()
             step = self._stepno
@@ -1094,8 +1097,7 @@ class Checker:
                 slot, x, plan = group[0]
                 if len(group) > 1:
                     x = torch.cat([item[1] for item in group], -1)
-                    cover = self._cover.setdefault(slot, [])
-                    cover.extend(item[0] for item in group[1:])
+                    self._cover.setdefault(slot, []).append(group)  # flattened on failure
                 self._sum_into(slot, x, plan, step)
         except Exception as exc:
             self._queue = []
@@ -1126,10 +1128,13 @@ class Checker:
                 p if (p is not None and p[7] and fast and t and p[1] == rows) else None
                 for p, fast, t in zip(self._splan, self._fast, feff, strict=False)
             ]
-        ready, fstamp, order, refs = self._ready, self._fstamp, self._order, self._refs
-        step, tensor, last = self._stepno, torch.Tensor, self._last_x
-        ref_elems, budget = self._ref_elems, self.detail_budget_elems
+        ready, tensor, last = self._ready, torch.Tensor, self._last_x
         grad = torch.is_grad_enabled()  # else no output can require grad
+        # the outputs that wait, in hook order: one entry of _order, expanded
+        # (order, references for details) only on failure (_materialize)
+        items: list[tuple[int, torch.Tensor, tuple[Any, ...]]] = []
+        self._order.append(items)
+        self._lazy = True
         for slot, output in queue:
             x = output if type(output) is tensor else _first_float(output)
             if x is None or x is last:
@@ -1141,29 +1146,54 @@ class Checker:
                 or (grad and x.requires_grad)
                 or (type(output) is not tensor and feff[slot] >= 2)  # its other outputs too
             ):
-                self._last_x, self._ref_elems = last, ref_elems
+                self._last_x = last
                 self._on_output(slot, (), output)
-                last, ref_elems = self._last_x, self._ref_elems
+                last = self._last_x
+                if items:  # keep the hook order: later items go after that site
+                    items = []
+                    self._order.append(items)
                 continue
             last = x
-            if fstamp[slot] != step:
-                fstamp[slot] = step
-                order.append(slot)
-                if plan[6] and ref_elems < budget:
-                    refs[slot] = x
-                    ref_elems += plan[6]
+            item = (slot, x, plan)
+            items.append(item)
             gid = plan[8]
             group = groups.get(gid)
             if group is None:
-                groups[gid] = [(slot, x, plan)]
+                groups[gid] = [item]
             else:
-                group.append((slot, x, plan))
-        self._last_x, self._ref_elems = last, ref_elems
+                group.append(item)
+        self._last_x = last
         self._touched = True
         for slot, x, plan in self._pending:  # queued by _on_output above
             groups.setdefault(plan[8], []).append((slot, x, plan))
         self._pending = []
         return groups
+
+    def _materialize(self) -> None:
+        """Failure path: expand the drained outputs kept in ``_order`` into site
+        order (first occurrence) and references for the details, within the
+        budget, as if each had been booked when it was drained."""
+        if not self._lazy:
+            return
+        self._lazy = False
+        order: list[int] = []
+        seen: set[int] = set()
+        refs, elems, budget = self._refs, self._ref_elems, self.detail_budget_elems
+        for entry in self._order:
+            if type(entry) is int:
+                if entry not in seen:
+                    seen.add(entry)
+                    order.append(entry)
+                continue
+            for slot, x, plan in entry:
+                if slot in seen:
+                    continue
+                seen.add(slot)
+                order.append(slot)
+                if plan[6] and slot not in refs and elems < budget:
+                    refs[slot] = x
+                    elems += plan[6]
+        self._order, self._ref_elems = order, elems
 
     def _plan_sum(self, slot: int, x: torch.Tensor) -> tuple[Any, ...] | None:
         """(shape, rows, dtype, cells, dims, width, elements kept) for ``x``."""
@@ -1780,6 +1810,7 @@ class Checker:
     ) -> list[_Fail]:
         """Failure details (values, samples, snapshots): a second read, only on failure."""
         fails: list[_Fail] = []
+        self._materialize()
         if self._graph_mode or not self._order:
             order = self._static_order  # no hook ran on the host: module completion order
         else:
@@ -1868,7 +1899,9 @@ class Checker:
         shows a NaN/inf, the sum overflowed on finite values: nothing to
         report. When some output was too big to keep, the cell's site is
         reported from the sum alone."""
-        sites = [s, *dict.fromkeys(x for x in self._cover.get(s, ()) if x != s)]
+        self._materialize()
+        covered = (item[0] for group in self._cover.get(s, ()) for item in group)
+        sites = [s, *dict.fromkeys(x for x in covered if x != s)]
         out = []
         for site in sites:
             found = self._exact(site, r)
@@ -2115,6 +2148,7 @@ class Checker:
         if self._refs:
             self._refs = {}
         self._ref_elems = 0
+        self._lazy = False
         self._iorder = []
         self._width = 0
         self._last_x = None

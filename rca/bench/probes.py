@@ -249,7 +249,8 @@ def run_probe_bench(
     same weights, so a noisy moment of the machine hits them all alike. A ratio
     is the median over repetitions of (mode total / ``off`` total) in the same
     repetition. Returns ``{"ratio_default", "ratio_numerical", "ratio_full",
-    "ratio_kv_fingerprint", "ms": {mode: {"total", "prefill", "decode_step"}},
+    "ratio_kv_fingerprint", "ratio_iqr": {mode: [p25, p75]} of the per-repetition
+    ratios, "ms": {mode: {"total", "prefill", "decode_step"}},
     "ratio_prefill", "ratio_decode", "shape", "model", "device", ...}``.
     """
     import torch
@@ -306,7 +307,15 @@ def run_probe_bench(
         }
         for m in MODES
     }
+
+    def spread(mode: str) -> list[float]:
+        """The middle half of the per-repetition ratios: how much to trust a median."""
+        a, b = per_rep(mode, "total"), per_rep("off", "total")
+        q = statistics.quantiles([x / y for x, y in zip(a, b, strict=True)], n=4)
+        return [round(q[0], 4), round(q[2], 4)]
+
     out: dict[str, Any] = {f"ratio_{m}": ratio(m, "total") for m in MODES if m != "off"}
+    out["ratio_iqr"] = {m: spread(m) for m in MODES if m != "off"} if reps >= 2 else {}
     out["ratio_prefill"] = {m: ratio(m, "prefill") for m in MODES if m != "off"}
     out["ratio_decode"] = {m: ratio(m, "decode") for m in MODES if m != "off"}
     # the same ratios on this thread's CPU time (a shared machine's preemption

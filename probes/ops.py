@@ -774,7 +774,9 @@ class Checker:
 
     # ------------------------------------------------------------------ hooks
     def _output_hook(self, slot: int) -> Callable[..., None]:
-        compiling = torch.compiler.is_compiling
+        # TorchDynamo reads this as True while it traces the hook; in eager mode
+        # it is one call that returns False (is_compiling() makes two)
+        compiling = torch.compiler.is_dynamo_compiling
 
         container = self._container[slot]
         tensor = torch.Tensor

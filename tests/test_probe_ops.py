@@ -706,3 +706,19 @@ def test_index_checks_agree_with_and_without_host_shortcuts(shortcuts):
     assert [(r.trace_id, r.attrs["row"]) for r in recs] == [(TRACES[2], 2)]
     assert recs[0].attrs["max"] == VOCAB + 5 and recs[0].attrs["hi_exclusive"] == VOCAB
     assert run(ck, model, input_ids=x) == []  # the next clean step is clean again
+
+
+def test_compiled_model_with_all_modules_hooked_reports_through_the_device_mask():
+    """``modules="all"`` before ``torch.compile``: TorchDynamo traces the hooks
+    (is_dynamo_compiling is True then), the traced checks accumulate into the
+    buffers, and end_step evaluates every site (graph mode)."""
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, "numerical", sink=sink, modules="all")
+    compiled = torch.compile(model, backend="eager")
+    assert run(ck, compiled, input_ids=ids()) == [] and ck._graph_mode
+    with poisoned(model.blocks[1][0].weight):
+        recs = run(ck, compiled, input_ids=ids())
+    act = [r for r in recs if r.code == "ACTIVATION_INF"]
+    assert {r.attrs["module"] for r in act} >= {"blocks.1.0"}
+    assert sorted({r.trace_id for r in act}) == sorted(TRACES)
+    torch._dynamo.reset()

@@ -59,7 +59,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from types import MethodType
+from types import FunctionType, MethodType
 from typing import Any
 
 import numpy as np
@@ -2233,6 +2233,21 @@ def _tapped_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+def _forward_like(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of :func:`_tapped_forward` that shows ``inner``'s signature:
+    callers inspect ``model.forward`` (transformers' ``generate`` decides which
+    arguments to pass, e.g. ``logits_to_keep``, from it)."""
+    fn = FunctionType(_tapped_forward.__code__, _tapped_forward.__globals__, "forward", None, None)
+    try:
+        sig = inspect.signature(inner)
+        me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        fn.__signature__ = sig.replace(parameters=[me, *sig.parameters.values()])  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    fn.__doc__ = getattr(inner, "__doc__", None)
+    return fn
+
+
 class _ForwardTap:
     """A forward hook without PyTorch's slow call path.
 
@@ -2258,9 +2273,10 @@ class _ForwardTap:
         d = mod.__dict__
         self._mod, self.hook, self._handle = mod, hook, None
         self._prev = d.get("forward")  # an instance forward someone set before (or None)
-        d["_rca_forward"] = self._prev if self._prev is not None else mod.forward
+        inner = self._prev if self._prev is not None else mod.forward
+        d["_rca_forward"] = inner
         d["_rca_tap"] = self
-        d["forward"] = MethodType(_tapped_forward, mod)
+        d["forward"] = MethodType(_forward_like(inner), mod)
         if mod._forward_hooks:
             self.promote()
 
@@ -2274,7 +2290,8 @@ class _ForwardTap:
     def _unwrap(self) -> None:
         mod, d = self._mod, self._mod.__dict__
         fwd = d.get("forward")
-        if getattr(fwd, "__func__", None) is _tapped_forward and fwd.__self__ is mod:
+        func = getattr(fwd, "__func__", None)
+        if getattr(func, "__code__", None) is _tapped_forward.__code__ and fwd.__self__ is mod:
             if self._prev is None:
                 del d["forward"]
             else:

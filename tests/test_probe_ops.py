@@ -722,3 +722,23 @@ def test_compiled_model_with_all_modules_hooked_reports_through_the_device_mask(
     assert {r.attrs["module"] for r in act} >= {"blocks.1.0"}
     assert sorted({r.trace_id for r in act}) == sorted(TRACES)
     torch._dynamo.reset()
+
+
+def test_taps_keep_the_forward_signature_so_generate_behaves_the_same():
+    """transformers' generate() reads ``model.forward``'s signature to choose its
+    arguments: a tapped model shows the same one and generates the same tokens."""
+    import inspect
+
+    model = llama()
+    sig = inspect.signature(model.forward)
+    x = ids(rows=2, t=5)
+    with torch.inference_mode():
+        ref = model.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ck = instrument(model, "numerical", sink=MemorySink())
+    assert inspect.signature(model.forward) == sig
+    assert str(inspect.signature(model.lm_head.forward)) == "(input: torch.Tensor) -> torch.Tensor"
+    ck.begin_step(TRACES[:2])
+    with torch.inference_mode():
+        out = model.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert ck.end_step() == []

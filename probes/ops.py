@@ -121,6 +121,9 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 _I64_MAX = 2**63 - 1
 _I64_MIN = -(2**63)
 _ROOT = "<root>"
+#: steps in a row a container must return its last child's output before its
+#: tap goes (see Checker._note_aliases)
+ALIAS_STEPS = 8
 _DIMS = {n: tuple(range(1, n)) for n in range(2, 9)}
 _TIER_NAMES = {t.name.lower(): t for t in Tier}
 _NEUTRAL_MINMAX = np.array([math.inf, -math.inf], dtype=np.float32)[:, None, None]
@@ -287,6 +290,11 @@ class Checker:
         self._splan: list[tuple[Any, ...] | None] = []
         self._plan_version = 0  # bumped by every new plan: _drain's ``ready`` list follows
         self._group_ids: dict[Any, int] = {}
+        # containers whose output is their last child's very tensor: after
+        # ALIAS_STEPS steps in a row their tap goes (the child checks it)
+        self._alias_seen: list[int] = []
+        self._alias_run: dict[int, tuple[int, int]] = {}  # slot -> (last step, run)
+        self._aliased: set[int] = set()
         self._ready: list[tuple[Any, ...] | None] = []
         self._ready_key: Any = None
         #: outputs of at most this many elements are summed in groups (:meth:`_flush`)
@@ -532,6 +540,7 @@ class Checker:
             self._ftier = tiers
             self._ion = ion
             self._plan_version += 1
+            self._aliased = {x for x in self._aliased if tiers[x] <= 1}
             self._feff = tiers if self._active else self._fzero
             self._ieff = ion if self._active else self._izero
             self._mask_dirty = True
@@ -558,7 +567,7 @@ class Checker:
         for slot, mod in enumerate(self._mods):
             if mod is None:
                 continue
-            want = self._arm_all or self._ftier[slot] > 0
+            want = self._arm_all or (self._ftier[slot] > 0 and slot not in self._aliased)
             h = self._fhandles[slot]
             if want and h is None:
                 hook = self._output_hook(slot)
@@ -610,6 +619,7 @@ class Checker:
             "suppressed_records": self.suppressed_records,
             "suppressed_logs": dict(self.log.suppressed),
             "probe_errors": self.errors,
+            "aliased": [self._fslots[x].name for x in sorted(self._aliased)][:64],
         }
 
     # ------------------------------------------------------------------ wiring
@@ -1137,9 +1147,13 @@ class Checker:
         items: list[tuple[int, torch.Tensor, tuple[Any, ...]]] = []
         self._order.append(items)
         self._lazy = True
+        aliases = self._alias_seen
         for slot, output in queue:
             x = output if type(output) is tensor else _first_float(output)
-            if x is None or x is last:
+            if x is None:
+                continue
+            if x is last:  # a container returning its last child's output
+                aliases.append(slot)
                 continue
             plan = ready[slot]
             if (
@@ -2157,6 +2171,8 @@ class Checker:
         self._stepno += 1
 
     def _reset(self) -> None:
+        if self._alias_seen:
+            self._note_aliases()
         self._clear()
         self.steps += 1
         self._in_step = False
@@ -2164,6 +2180,29 @@ class Checker:
         self._token_rows = None
         if not self._stage_fixed:
             self._stage = None
+
+    def _note_aliases(self) -> None:
+        """At a step boundary: a container that returned its last child's very
+        output tensor on ALIAS_STEPS steps in a row checks nothing of its own
+        (the child's check covers that tensor), so its tap goes. Only for
+        eager taps at the ``numerical`` tier (``full`` also checks a
+        container's other outputs); ``set_tiers`` to ``full`` brings it back."""
+        step, seen = self.steps, set(self._alias_seen)
+        self._alias_seen = []
+        for slot in seen:
+            last, run = self._alias_run.get(slot, (-2, 0))
+            run = run + 1 if last == step - 1 else 1
+            self._alias_run[slot] = (step, run)
+            h = self._fhandles[slot]
+            if (
+                run >= ALIAS_STEPS
+                and not self._arm_all
+                and self._ftier[slot] == 1
+                and isinstance(h, _ForwardTap)
+            ):
+                h.remove()
+                self._fhandles[slot] = None
+                self._aliased.add(slot)
 
     def _emit(self, rec: S.ErrorContext) -> None:
         self.failures[rec.code] = self.failures.get(rec.code, 0) + 1

@@ -742,3 +742,28 @@ def test_taps_keep_the_forward_signature_so_generate_behaves_the_same():
         out = model.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
     assert ck.end_step() == []
+
+
+def test_containers_returning_their_last_childs_output_lose_their_tap():
+    """``blocks.N`` (a Sequential) and the root return their last child's very
+    tensor: after ALIAS_STEPS steps their taps go, the child still checks that
+    tensor, and ``full`` (which checks a container's other outputs) brings the
+    taps back."""
+    from probes.ops import ALIAS_STEPS
+
+    model, sink = TinyLM().eval(), MemorySink()
+    ck = instrument(model, "numerical", sink=sink)
+    x = ids(rows=4, t=1)
+    for _ in range(ALIAS_STEPS - 1):
+        assert run(ck, model, input_ids=x) == []
+    assert ck.status()["aliased"] == []
+    assert run(ck, model, input_ids=x) == []
+    assert set(ck.status()["aliased"]) == {"<root>", "blocks.0", "blocks.1"}
+    assert not tapped(model.blocks[0]) and tapped(model.blocks[0][2])
+    with poisoned(model.blocks[1][2].weight):
+        recs = run(ck, model, input_ids=x)
+    first = [r for r in recs if "downstream" in r.attrs]
+    assert {r.attrs["module"] for r in first} == {"blocks.1.2"}
+    assert {r.trace_id for r in first} == set(TRACES)
+    ck.set_tiers("full")
+    assert ck.status()["aliased"] == [] and tapped(model.blocks[0])

@@ -123,8 +123,23 @@ def _script(engine: Any, name: str, value: Any, device: int = 0) -> None:
     engine.nvml.set_value(device, name, value)
 
 
-def _push_xid(engine: Any, xid: int) -> None:
-    engine.nvml.push_event(0, "xid", xid)
+def _xid(
+    engine: Any,
+    xid: int,
+    text: str,
+    *,
+    pid: int | None = None,
+    name: str = "python3",
+    event: bool = True,
+    pci: str | None = None,
+) -> None:
+    """One Xid as the driver reports it: the NVML event (unless ``event`` is
+    False: a second line of the same Xid) and the kernel line, in NVRM's
+    words (``pid``/``name`` unknown when the driver names no process)."""
+    if event:
+        engine.nvml.push_event(0, "xid", xid)
+    who = f"pid={pid}, name={name}" if pid is not None else "pid='<unknown>', name=<unknown>"
+    engine.kernel_log(f"NVRM: Xid (PCI:{pci or _pci(engine)}): {xid}, {who}, {text}")
 
 
 def _full_blocks(batch: Any, engine: Any) -> list[tuple[str, int]]:
@@ -672,12 +687,12 @@ class Xid48DBE(Fault):
         if not blocks:
             return
         self.mark()
-        _push_xid(engine, 48)
         _script(engine, ("nvmlDeviceGetTotalEccErrors", 1, 0), 2)  # DBE, volatile
-        engine.kernel_log(
-            f"NVRM: Xid (PCI:{_pci(engine)}): 48, pid='<unknown>', name=<unknown>, An "
-            "uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer "
-            f"at physAddr 0x{self.rng.randrange(1 << 36):x} partition 3, subpartition 1"
+        _xid(
+            engine,
+            48,
+            "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer "
+            f"at physAddr 0x{self.rng.randrange(1 << 36):x} partition 3, subpartition 1",
         )
         for tid, block in self.rng.sample(blocks, min(2, len(blocks))):
             _flip_to_nonfinite(
@@ -708,14 +723,22 @@ class Xid13App(Fault):
                 gpc, tpc, sm = 3, 1, 0
             else:
                 gpc, tpc, sm = (i * 2 + self.rng.randrange(2)) % 8, self.rng.randrange(6), i % 2
-            _push_xid(engine, 13)
-            engine.kernel_log(
-                f"NVRM: Xid (PCI:{pci}): 13, pid={pid}, name=python3, Graphics SM Warp Exception "
-                f"on (GPC {gpc}, TPC {tpc}, SM {sm}): Out Of Range Address"
+            _xid(
+                engine,
+                13,
+                f"Graphics SM Warp Exception on (GPC {gpc}, TPC {tpc}, SM {sm}): "
+                "Out Of Range Address",
+                pid=pid,
+                pci=pci,
             )
-            engine.kernel_log(
-                f"NVRM: Xid (PCI:{pci}): 13, pid={pid}, name=python3, Graphics Exception: ESR "
-                f"0x50{gpc}648=0x102000e 0x50{gpc}650=0x24 0x50{gpc}644=0xd3eff2 0x50{gpc}64c=0x17f"
+            _xid(
+                engine,
+                13,
+                f"Graphics Exception: ESR 0x50{gpc}648=0x102000e 0x50{gpc}650=0x24 "
+                f"0x50{gpc}644=0xd3eff2 0x50{gpc}64c=0x17f",
+                pid=pid,
+                pci=pci,
+                event=False,
             )
         _raise_cuda("CUDA error: an illegal memory access was encountered")
 
@@ -739,11 +762,7 @@ class Xid79FellOffBus(Fault):
     def before_step(self, engine: Any, batch: Any) -> None:
         if not self._strike(batch):
             return
-        _push_xid(engine, 79)
-        engine.kernel_log(
-            f"NVRM: Xid (PCI:{_pci(engine)}): 79, pid='<unknown>', name=<unknown>, "
-            "GPU has fallen off the bus."
-        )
+        _xid(engine, 79, "GPU has fallen off the bus.")
         engine.kernel_log("NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.")
         _script(engine, "nvmlDeviceGetPowerUsage", "GpuIsLost")
         _raise_cuda("CUDA error: unspecified launch failure")
@@ -759,11 +778,11 @@ class Xid74NVLink(Fault):
     def before_step(self, engine: Any, batch: Any) -> None:
         if not self._strike(batch):
             return
-        _push_xid(engine, 74)
         link = self.rng.randrange(4)
-        engine.kernel_log(
-            f"NVRM: Xid (PCI:{_pci(engine)}): 74, pid='<unknown>', name=<unknown>, NVLink: "
-            f"fatal error detected on link {link}(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)"
+        _xid(
+            engine,
+            74,
+            f"NVLink: fatal error detected on link {link}(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",
         )
         _raise_cuda("CUDA error: uncorrectable NVLink error detected during the execution")
 
@@ -829,11 +848,12 @@ class Xid119GSP(Fault):
     def before_step(self, engine: Any, batch: Any) -> None:
         if not self._strike(batch):
             return
-        _push_xid(engine, 119)
-        engine.kernel_log(
-            f"NVRM: Xid (PCI:{_pci(engine)}): 119, pid=2024380, name=python3, Timeout after 6s of "
-            "waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL) "
-            "(0x20801348 0x4)."
+        _xid(
+            engine,
+            119,
+            "Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected function 76 "
+            "(GSP_RM_CONTROL) (0x20801348 0x4).",
+            pid=2024380,
         )
         _raise_cuda("CUDA error: unknown error")
 

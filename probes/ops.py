@@ -56,7 +56,7 @@ import logging
 import math
 import threading
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from types import FunctionType, MethodType
@@ -303,8 +303,9 @@ class Checker:
         self._cover: dict[int, list[Any]] = {}  # group cell's site -> its groups
         self._container: list[bool] = []
         #: on the CPU, a few integers (a decode step's token ids) are checked in
-        #: Python (host memory: nothing to sync); off, the CPU takes the device
-        #: path (kernels into the buffers), as a GPU always does
+        #: Python and a step's few cells are cleared through memoryviews (host
+        #: memory: nothing to sync); off, the CPU takes the device path (kernels
+        #: into the buffers, the all-clear test on host copies), as a GPU does
         self.host_shortcuts = True
         #: check queued outputs at the end of every layer (a child of a
         #: ModuleList) instead of once per step: a narrower window for an
@@ -1679,14 +1680,14 @@ class Checker:
             # CPU: a step with few cells is cleared in plain Python, slicing flat
             # memoryviews of the buffers (after a forward pass, caches are cold
             # and each numpy call costs 5-20 us); then numpy views, no torch op
-            if (2 * len(fs) + len(ss) + 4 * len(ins)) * w <= 2048 and self._clear_cpu(
-                fs, ss, ins, w
-            ):
+            tested = self.host_shortcuts and (2 * len(fs) + len(ss) + 4 * len(ins)) * w <= 2048
+            if tested and self._clear_cpu(fs, ss, ins, w):
                 return []
             ff = _rows(self._fnp, fs, w, 1) if fs else None
             sv = _rows(self._snp, ss, w, 0) if ss else None
             ii = _rows(self._inp, ins, w, 1) if ins else None
         else:
+            tested = False
             dev = []
             if fs:
                 dev.append(self._fbuf.index_select(1, self._idx(fs))[:, :, :w])
@@ -1698,14 +1699,15 @@ class Checker:
             ff = host.pop(0) if fs else None
             sv = host.pop(0) if ss else None
             ii = host.pop(0) if ins else None
-        # fast all-clear test (neutral cells pass; NaN fails); a few cells: in
-        # plain Python (after a forward pass each numpy call costs 5-15 us)
+        # fast all-clear test on the host copies, unless the CPU one just failed;
+        # a few cells: in plain Python (after a forward pass each numpy call
+        # costs 5-15 us)
         if (
-            _small(ff)
+            not tested
+            and _small(ff)
             and _small(sv)
             and _small(ii)
-            and _clear_small(sv, ii)
-            and (ff is None or _clear_minmax(ff, self._limits_py(fs)))
+            and self._host_clear(ff, sv, ii, fs)
         ):
             return []
         sok = sv is None or bool(np.isfinite(sv.sum()))
@@ -1741,38 +1743,38 @@ class Checker:
             ipairs = [(ins[i], int(c)) for i, c in zip(*np.nonzero(bad), strict=True)]
         return self._fails(fpairs, ipairs, spairs)
 
+    def _host_clear(
+        self, ff: np.ndarray | None, sv: np.ndarray | None, ii: np.ndarray | None, fs: list[int]
+    ) -> bool:
+        """:func:`_cells_clear` on host arrays: ``sv`` [site, col] row sums,
+        ``ii`` [min/max/lo/hi, site, col], ``ff`` [min/max, site, col]."""
+        minmax: Iterable[tuple[Any, ...]] = ()
+        if ff is not None:
+            mn, mx = ff.tolist()
+            minmax = (
+                (a, b, lo, hi) for a, b, (lo, hi) in zip(mn, mx, self._limits_py(fs), strict=True)
+            )
+        return _cells_clear(
+            sv.tolist() if sv is not None else (),
+            zip(*ii.tolist(), strict=True) if ii is not None else (),
+            minmax,
+        )
+
     def _clear_cpu(self, fs: list[int], ss: list[int], ins: list[int], w: int) -> bool:
-        """True when every written cell passes: finite row sums, integer min/max
-        inside [lo, hi), float min/max inside the site's limits (neutral cells
-        pass; NaN fails). CPU buffers, read through flat memoryviews."""
+        """:func:`_cells_clear` on the CPU buffers, read through flat memoryviews
+        (rows sliced only as far as the test gets)."""
         c = self._cols
-        smv = self._smv
-        for s in ss:
-            o = s * c
-            if not math.isfinite(sum(smv[o : o + w].tolist())):
-                return False
-        if ins:
-            imv, k = self._imv, self._icap * c
-            for s in ins:
-                o = s * c
-                mn = imv[o : o + w].tolist()
-                mx = imv[k + o : k + o + w].tolist()
-                lo = imv[2 * k + o : 2 * k + o + w].tolist()
-                hi = imv[3 * k + o : 3 * k + o + w].tolist()
-                for a, b, p, q in zip(mn, mx, lo, hi, strict=True):
-                    if a < p or b >= q:
-                        return False
-        if fs:
-            fmv, k = self._fmv, self._fcap * c
-            for s, (lo_, hi_) in zip(fs, self._limits_py(fs), strict=True):
-                o = s * c
-                for x in fmv[o : o + w].tolist():
-                    if not x >= lo_:
-                        return False
-                for y in fmv[k + o : k + o + w].tolist():
-                    if not y <= hi_:
-                        return False
-        return True
+        smv, imv, fmv = self._smv, self._imv, self._fmv
+        ki, kf = self._icap * c, self._fcap * c
+        sums = (smv[s * c : s * c + w].tolist() for s in ss)
+        ints = (
+            tuple(imv[j * ki + s * c : j * ki + s * c + w].tolist() for j in range(4)) for s in ins
+        )
+        minmax = (
+            (fmv[s * c : s * c + w].tolist(), fmv[kf + s * c : kf + s * c + w].tolist(), lo, hi)
+            for s, (lo, hi) in zip(fs, self._limits_py(fs) if fs else (), strict=True)
+        )
+        return _cells_clear(sums, ints, minmax)
 
     def _limits(self, fs: list[int]) -> tuple[np.ndarray, np.ndarray]:
         key = tuple(fs)
@@ -2661,27 +2663,27 @@ def _small(a: np.ndarray | None) -> bool:
     return a is None or a.size <= 1024
 
 
-def _clear_small(sums: np.ndarray | None, ints: np.ndarray | None) -> bool:
-    """No NaN/inf in the row sums, every integer min/max inside [lo, hi)."""
-    if sums is not None and not math.isfinite(sum(map(sum, sums.tolist()))):
-        return False
-    if ints is not None:
-        mn, mx, lo, hi = ints.tolist()
-        for a, b, low, high in zip(mn, mx, lo, hi, strict=True):
-            for x, y, p, q in zip(a, b, low, high, strict=True):
-                if x < p or y >= q:
-                    return False
-    return True
-
-
-def _clear_minmax(ff: np.ndarray, lims: list[tuple[float, float]]) -> bool:
-    """Every min/max cell inside its site's [lo, hi] (neutral cells pass; NaN fails)."""
-    mn, mx = ff.tolist()
-    for a, b, (lo, hi) in zip(mn, mx, lims, strict=True):
-        for x in a:
+def _cells_clear(
+    sums: Iterable[list[float]],
+    ints: Iterable[tuple[list[int], list[int], list[int], list[int]]],
+    minmax: Iterable[tuple[list[float], list[float], float, float]],
+) -> bool:
+    """The all-clear test over plain-Python rows of cells, one row per site:
+    finite row sums, integer (min, max, lo, hi) with min >= lo and max < hi,
+    float (min, max, lo, hi) inside the site's [lo, hi]. Neutral cells pass;
+    NaN fails."""
+    for row in sums:
+        if not math.isfinite(sum(row)):
+            return False
+    for mn, mx, lo, hi in ints:
+        for a, b, p, q in zip(mn, mx, lo, hi, strict=True):
+            if a < p or b >= q:
+                return False
+    for mn, mx, lo, hi in minmax:
+        for x in mn:
             if not x >= lo:
                 return False
-        for y in b:
+        for y in mx:
             if not y <= hi:
                 return False
     return True

@@ -655,11 +655,13 @@ def test_a_big_output_is_checked_when_its_hook_runs():
     assert head.attrs["module"] == "blocks.0.0" and head.attrs["kind"] == "nan"
 
 
-def test_min_max_sites_all_clear_test_in_python_sees_nan_and_limits():
+@pytest.mark.parametrize("shortcuts", [True, False])
+def test_min_max_sites_all_clear_test_in_python_sees_nan_and_limits(shortcuts):
     """Sites with value limits keep row min/max; a step with a few such cells is
     cleared in plain Python: NaN and a value past a float32 bound still fail,
     unwritten (neutral) cells and in-range values pass."""
     ck = Checker(MemorySink(), value_limits={"lim*": (-1.0, 0.5)})
+    ck.host_shortcuts = shortcuts  # off: the host-copy test a GPU's read-back takes
     ok = torch.full((4, 8), 0.25)
     for bad, kind in ((math.nan, "nan"), (0.5000001, "range"), (-math.inf, "-inf")):
         x = ok.clone()

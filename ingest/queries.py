@@ -307,11 +307,30 @@ def hardware_events(
 
 
 def _record_filter() -> str:
+    """The WHERE clause of the record filters; its parameters: :func:`_record_params`."""
     return (
         " ($code IS NULL OR code = $code) AND ($family IS NULL OR family = $family)"
         " AND ($layer IS NULL OR layer = $layer) AND ($trace IS NULL OR trace_id = $trace)"
         " AND ($t0 IS NULL OR ts >= $t0) AND ($t1 IS NULL OR ts <= $t1)"
     )
+
+
+def _record_params(
+    code: str | None,
+    family: str | None,
+    layer: int | None,
+    trace_id: str | None,
+    t_start: int | None,
+    t_end: int | None,
+) -> dict[str, Any]:
+    return {
+        "code": code,
+        "family": family,
+        "layer": layer,
+        "trace": trace_id,
+        "t0": t_start,
+        "t1": t_end,
+    }
 
 
 def evidence_counts(
@@ -335,12 +354,7 @@ def evidence_counts(
         " FROM error_context WHERE" + _record_filter() + " GROUP BY ALL ORDER BY 1, 2",
         {
             "b": max(1, int(bucket_s)) * 1_000_000_000,
-            "code": code,
-            "family": family,
-            "layer": layer,
-            "trace": trace_id,
-            "t0": t_start,
-            "t1": t_end,
+            **_record_params(code, family, layer, trace_id, t_start, t_end),
         },
     )
 
@@ -362,15 +376,7 @@ def records_page(
         "SELECT event_id, ts, trace_id, request_id, host, gpu_uuid, gpu_index, source, code,"
         " family, layer, severity, xid, kv_block, confidence, message FROM error_context"
         " WHERE" + _record_filter() + " ORDER BY ts DESC LIMIT $limit",
-        {
-            "code": code,
-            "family": family,
-            "layer": layer,
-            "trace": trace_id,
-            "t0": t_start,
-            "t1": t_end,
-            "limit": limit,
-        },
+        {**_record_params(code, family, layer, trace_id, t_start, t_end), "limit": limit},
     )
 
 

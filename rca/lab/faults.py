@@ -390,9 +390,12 @@ class QueueFlood(Fault):
         return {"max_waiting": 6}
 
     def workload(self) -> list[dict[str, Any]]:
+        # 40 at once against 8 running + 6 waiting slots: the queue overflows
+        # even when the engine admits and finishes a few while they arrive (16
+        # left it to timing whether any request got a 429)
         return [
             {"at": self.at_step, "body": {"prompt": f"retry {i}", "max_tokens": 24}, "victim": True}
-            for i in range(16)
+            for i in range(40)
         ]
 
 

@@ -29,6 +29,8 @@ __all__ = [
     "ErrorContext",
     "Span",
     "new_event_id",
+    "own_pid",
+    "HOST_PID_KEY",
     "arrow_schema",
     "polars_schema",
     "create_table_sql",
@@ -76,7 +78,13 @@ ERROR_CONTEXT = Table(
         _c("span_id", "VARCHAR", _STR, doc="W3C span id, 16 lowercase hex"),
         _c("request_id", "VARCHAR", _STR, doc="engine request id (vLLM cmpl-..., TGI, Triton)"),
         _c("host", "VARCHAR", _STR),
-        _c("pid", "INTEGER", pa.int32()),
+        _c(
+            "pid",
+            "INTEGER",
+            pa.int32(),
+            doc="probes: the host's pid (NULL in a container's pid namespace); "
+            "parsed lines: the pid they print (a kernel Xid line: the host's)",
+        ),
         _c("gpu_uuid", "VARCHAR", _STR, doc="GPU-xxxxxxxx-... as NVML prints it"),
         _c("gpu_index", "INTEGER", pa.int32()),
         _c("source", "VARCHAR", _STR, False, "probe or parser that produced the row"),
@@ -191,6 +199,59 @@ def new_event_id(ts_ns: int | None = None) -> str:
 
 _HOST = os.uname().nodename if hasattr(os, "uname") else "localhost"
 
+#: The inode of the kernel's initial pid namespace (PROC_PID_INIT_INO,
+#: include/linux/proc_ns.h): ``/proc/self/ns/pid`` reads ``pid:[4026531836]``
+#: in a process that is not in a container's pid namespace.
+_INIT_PID_NS = "pid:[4026531836]"
+_PROC = "/proc"
+_own: tuple[int, int | None] | None = None  # (os.getpid(), host pid) of this process
+#: A stored span resource's key for the exporting process's host pid (set by
+#: probes.otel's exporter from :func:`own_pid`; absent where it is not known).
+#: OpenTelemetry's ``process.pid`` stays ``os.getpid()``, the namespace's number.
+HOST_PID_KEY = "rca.host_pid"
+
+
+def own_pid() -> int | None:
+    """This process's pid as the host kernel names it, or None when it cannot
+    be known: the pid an NVRM Xid line prints, so a record's ``pid`` compares
+    with the driver's.
+
+    In the initial pid namespace (a process on the host) it is
+    :func:`os.getpid`. In a container's pid namespace ``os.getpid()`` is the
+    container's number (often 1 or a few dozen) while the driver prints the
+    host's, so comparing them would make every Xid look like another
+    process's. There, the host pid is read from ``NSpid`` in
+    ``/proc/self/status`` only when ``/proc`` is the host's (its first entry is
+    then the host pid); otherwise None. Without ``/proc`` (not Linux) there are
+    no pid namespaces: ``os.getpid()``. Cached per process (a fork re-reads)."""
+    global _own
+    pid = os.getpid()
+    if _own is not None and _own[0] == pid:
+        return _own[1]
+    try:
+        ns = os.readlink(f"{_PROC}/self/ns/pid")
+    except OSError:
+        host: int | None = pid  # no procfs: no pid namespaces to tell apart
+    else:
+        host = pid if ns == _INIT_PID_NS else _host_pid_from_proc()
+    _own = (pid, host)
+    return host
+
+
+def _host_pid_from_proc() -> int | None:
+    """NSpid's outermost entry, when ``/proc`` belongs to the initial namespace."""
+    try:
+        if os.readlink(f"{_PROC}/1/ns/pid") != _INIT_PID_NS:
+            return None
+        with open(f"{_PROC}/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    ids = line.split()[1:]
+                    return int(ids[0]) if len(ids) > 1 else None
+    except (OSError, ValueError):
+        return None
+    return None
+
 
 @dataclass(slots=True)
 class ErrorContext:
@@ -211,7 +272,7 @@ class ErrorContext:
     span_id: str | None = None
     request_id: str | None = None
     host: str | None = _HOST
-    pid: int | None = field(default_factory=os.getpid)
+    pid: int | None = field(default_factory=own_pid)  # the host's pid (None: not known)
     gpu_uuid: str | None = None
     gpu_index: int | None = None
     stage: str | None = None

@@ -90,13 +90,18 @@ def _str_or_none(value: Any) -> str | None:
 
 
 def to_span(span: ReadableSpan) -> S.Span:
-    """One finished SDK span as the store's span row."""
+    """One finished SDK span as the store's span row (its resource gains
+    :data:`ingest.schema.HOST_PID_KEY`, the process's pid as the kernel driver prints it, for
+    telling the trace's own Xids from another process's)."""
     ctx = span.get_span_context()
     if ctx is None or not ctx.is_valid:
         raise ValueError("span has no valid span context")
     parent = span.parent
     attrs = _plain_dict(span.attributes)
     resource = _plain_dict(span.resource.attributes if span.resource is not None else None)
+    host_pid = S.own_pid()  # exported in the serving process: its pid as NVRM prints it
+    if host_pid is not None:
+        resource.setdefault(S.HOST_PID_KEY, host_pid)
     status = span.status
     start = span.start_time
     if start is None:

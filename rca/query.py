@@ -11,6 +11,7 @@ from graph.catalog import Catalog, default_catalog
 from graph.errors import InputError, NotFoundError
 from graph.topology import default_topology
 from ingest import queries
+from ingest import schema as S
 from ingest.paths import default_db_path, spool_dir_for
 from ingest.spool import load_spool
 from ingest.store import Store
@@ -82,6 +83,30 @@ class Gathered:
     rows: list[dict[str, Any]] = field(default_factory=list)  # records, for display
 
 
+def _own_pids(records: list[dict[str, Any]], spans: list[dict[str, Any]]) -> list[int]:
+    """The trace's processes as the host kernel names them: the pids of its
+    in-process probe records and the host pid our span exporter stamps on a
+    span's resource (:func:`ingest.schema.own_pid`, absent in a container's
+    pid namespace, where ``os.getpid()`` is not the pid an NVRM Xid line
+    prints). A pid an engine printed in its own log line, or OpenTelemetry's
+    ``process.pid``, is that namespace's number, so it is not compared with
+    the driver's."""
+    pids = {
+        int(r["pid"])
+        for r in records
+        if r.get("pid") is not None and str(r.get("source") or "").startswith("probe:")
+    }
+    for s in spans:
+        res = s.get("resource")
+        try:
+            pid = (json.loads(res) if isinstance(res, str) else res or {}).get(S.HOST_PID_KEY)
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+            pids.add(pid)
+    return sorted(pids)
+
+
 def gather_evidence(
     trace_id: str,
     store: Store,
@@ -122,7 +147,7 @@ def gather_evidence(
             hosts=hosts,
             gpus=gpus,
             request_ids=req_ids,
-            pids=sorted({int(r["pid"]) for r in rows.records if r.get("pid") is not None}),
+            pids=_own_pids(rows.records, rows.spans),
         )
         # a trace whose records name no GPU (probes on a host without device ids)
         # still gets NVIDIA's SM reading for the GPUs its host's evidence names

@@ -113,6 +113,8 @@ def test_sdk_spans_reach_the_store_with_exact_ids_links_and_fields(
     assert rep.quarantined == 0
     got = _rows(store, "SELECT * FROM spans ORDER BY start_ns")
     resource = {"service.name": "vllm-api", "host.name": "gpu-node-7"}
+    if S.own_pid() is not None:  # the exporting process's pid as NVRM prints it
+        resource[S.HOST_PID_KEY] = S.own_pid()
     common = {"service_name": "vllm-api", "host": "gpu-node-7", "trace_id": TRACE_HEX}
     expected = [
         {
@@ -527,6 +529,8 @@ def test_install_builds_a_provider_that_exports_with_service_and_host() -> None:
     assert (sp.service_name, sp.host, sp.kind) == ("vllm-api", os.uname().nodename, "SERVER")
     assert sp.resource["deployment.environment"] == "test"
     assert sp.resource["process.pid"] == os.getpid()
+    # the host's pid, for comparing with NVRM's (absent in a container's pid namespace)
+    assert sp.resource.get(S.HOST_PID_KEY) == S.own_pid()
     tp.shutdown()
 
 

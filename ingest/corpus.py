@@ -174,8 +174,9 @@ def corpus_sets(
     A fault line's set is its ``set`` field (``BASE_SET`` without one); ordinary
     lines of set S are in ``benign_lines.S.txt`` (``benign_lines.txt``: the base
     set). The shipped corpus holds the lines gathered for it plus the former
-    held-out sets (``dev``, ``holdout2``, ``holdout3``), moved in once scored; a
-    plain folder (a new held-out set) is one set."""
+    held-out sets (``dev``, ``holdout2``, ``holdout3``; ``holdout4``,
+    ``holdout5`` since round 6), moved in once scored; a plain folder (a new
+    held-out set) is one set."""
     root = Path(folder)
     sets: dict[str, tuple[list[dict[str, Any]], list[str]]] = {}
     for x in (root / "error_lines.jsonl").read_text(encoding="utf-8").splitlines():

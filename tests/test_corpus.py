@@ -3,11 +3,12 @@ ranking gets worse.
 
 * ``ingest/data/corpus``: the training corpus, made of sets (the lines gathered
   for it and the former held-out sets ``dev``, ``holdout2``, ``holdout3``,
-  trained on since round 4), scored by k-fold cross-validation and by
-  leave-one-set-out (train without a set, score it: the estimate for a new set);
+  trained on since round 4, ``holdout4``, ``holdout5``, since round 6), scored
+  by k-fold cross-validation and by leave-one-set-out (train without a set,
+  score it: the estimate for a new set);
 * ``tests/fixtures/real/crashlogs``: real multi-line crash logs;
-* ``tests/fixtures/real/holdout4``, ``holdout5``: independent sets, each
-  scored once as shipped and gated below (``HOLDOUT_GATES``).
+* ``tests/fixtures/real/<set>``: an independent set not yet trained on, scored
+  once as shipped and gated below (``HOLDOUT_GATES``; none at present).
 
 The thresholds sit a few points under the measured figures (see CHANGELOG),
 so a real regression fails and run-to-run noise does not.
@@ -25,8 +26,9 @@ from rca.bench.corpus import evaluate_corpus
 
 REAL = Path(__file__).with_name("fixtures") / "real"
 CRASHLOGS = REAL / "crashlogs"
-#: Sets moved into the training corpus once scored (round 4).
-FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3")
+#: Sets moved into the training corpus once scored (round 4; holdout4 and
+#: holdout5 in round 6).
+FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3", "holdout4", "holdout5")
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
 #: out: dev 0.972, holdout2 0.876-0.889, holdout3 0.848-0.852, pooled
@@ -35,8 +37,15 @@ FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3")
 #: 0.884 / 0.711 / 0.621 (pooled 0.726). Round 5 (patterns from holdout4's
 #: misses): 3-fold 0.899, precision 0.968, 2/1753 flagged; leave one set out
 #: dev 0.978, holdout2 0.893, holdout3 0.852, pooled 0.901 at precision 0.953.
-KFOLD_MIN = 0.87
-LOSO_MIN = {"dev": 0.94, "holdout2": 0.86, "holdout3": 0.82}
+#: Round 6 (holdout4 and holdout5 moved in; 1,543 fault lines, 2,390 ordinary):
+#: before its patterns, leave one set out measured holdout5 0.713 (never
+#: studied: the honest figure), holdout4 0.908, holdout2 0.880, holdout3 0.856,
+#: dev 0.978, pooled 0.872 at precision 0.967; after (optimistic for holdout5,
+#: whose misses were studied): 3-fold 0.907, precision 0.980, 3/2390 flagged;
+#: leave one set out dev 0.978, holdout2 0.880, holdout3 0.860, holdout4 0.933,
+#: holdout5 0.919, pooled 0.910 at precision 0.974, 2/1715 flagged.
+KFOLD_MIN = 0.88
+LOSO_MIN = {"dev": 0.94, "holdout2": 0.85, "holdout3": 0.82, "holdout4": 0.90, "holdout5": 0.88}
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +56,14 @@ def scores() -> dict:
 
 def test_corpus_is_real_and_broad() -> None:
     errors, benign = real_corpus()
-    assert len(errors) >= 1140 and len({e["project"] for e in errors}) >= 130
+    assert len(errors) >= 1540 and len({e["project"] for e in errors}) >= 180
     assert len({e["family"] for e in errors}) == len(FAMILIES)
-    assert len(benign) >= 1750
+    assert len(benign) >= 2380
     sets = corpus_sets()
-    assert {BASE_SET, *FORMER_HOLDOUTS} <= set(sets)  # holdout4 joins once scored
+    assert {BASE_SET, *FORMER_HOLDOUTS} <= set(sets)  # a new set joins once scored
     for name in FORMER_HOLDOUTS:  # each set gathered apart, with its own sources
         errs, ben = sets[name]
-        assert len(errs) >= 150 and len(ben) >= 280, name
+        assert len(errs) >= 150 and len(ben) >= 240, name
         assert (CORPUS_DIR / f"SOURCES.{name}.md").is_file()
 
 
@@ -97,7 +106,7 @@ def test_answers_are_rarely_wrong(scores) -> None:
 
 
 def test_family_accuracy_does_not_regress(scores) -> None:
-    """3-fold cross-validation over all 1,144 lines (measured 0.896)."""
+    """3-fold cross-validation over all 1,543 lines (measured 0.907)."""
     assert scores["family_accuracy"] >= KFOLD_MIN, scores["misses"]
     rounds = scores["by_round"]
     # the first rounds' lines, mostly catalog-covered (measured 0.954), and the
@@ -138,38 +147,26 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
     )
 
 
-# --- The former independent set, now the development set --------------------
+# --- Independent sets not yet trained on ------------------------------------
 # Independent sets, gathered by someone who never ran the classifier, each
 # scored ONCE as shipped with
 #   .venv/bin/rca bench corpus --corpus tests/fixtures/real/<set> --folds 0
-# and gated a little under that figure so it cannot fall.
+# and gated a little under that figure so it cannot fall; once studied, a set
+# moves into the training corpus (FORMER_HOLDOUTS) and leaves this dict.
 #
-# holdout4: round 4: family 0.693 (before round 4: 0.647), precision 0.965 when
-# it answers, 1/392 ordinary lines flagged. (Round 4's author saw about ten of
-# its lines, after writing the patterns that match them, when a check of those
-# patterns read the fixtures folder.) After round 5 (optimistic: its misses
-# were studied): family 0.899-0.908 (the fallback's answers move with each
-# catalog change), precision 0.986-0.991, 1/392 flagged.
-#
-# holdout5 (160 fault lines, 38 projects: unused public threads ran short):
-# round 4: family 0.663, precision 0.964, 1/246 flagged; round 5 (which never
-# saw it): family 0.706, precision 0.966, 2/246 flagged. The next round studies
-# its misses; a new set then measures it.
-HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout4": {
-        "family_accuracy": 0.87,
-        "precision_when_answered": 0.96,
-        "benign_flagged_share": 0.01,
-    },
-    "holdout5": {
-        "family_accuracy": 0.68,
-        "precision_when_answered": 0.94,
-        "benign_flagged_share": 0.02,
-    },
-}
+# Former entries: holdout4 (round 4: family 0.693, precision 0.965, 1/392
+# ordinary lines flagged; after round 5, which studied its misses: 0.899-0.908,
+# 0.986-0.991, 1/392) and holdout5 (160 fault lines, 38 projects; round 4:
+# 0.663, precision 0.964, 1/246 flagged; round 5, which never saw it: 0.706,
+# 0.966, 2/246); both moved into the corpus in round 6.
+HOLDOUT_GATES: dict[str, dict[str, float]] = {}
 
 
-@pytest.mark.parametrize("name", sorted(HOLDOUT_GATES))
+@pytest.mark.parametrize(
+    "name",
+    sorted(HOLDOUT_GATES)
+    or [pytest.param(None, marks=pytest.mark.skip(reason="no independent set at present"))],
+)
 def test_independent_set_scored_as_shipped(name: str) -> None:
     gate, folder = HOLDOUT_GATES[name], REAL / name
     s = evaluate_corpus(folder, None, folds=0)

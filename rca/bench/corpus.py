@@ -8,11 +8,11 @@ one a figure is about):
   the learned fallback, so it is scored with k-fold cross-validation: each
   fold is classified by a fallback trained without it;
 * the corpus is made of sets (``corpus_sets``: the lines gathered for it and
-  the former held-out sets ``dev``, ``holdout2``, ``holdout3``, moved in once
-  scored). ``leave_one_set_out`` trains without one of them and scores it: a
-  set gathered apart, from other threads and projects, is the honest estimate
-  of accuracy on a new set (optimistic still: patterns were written after
-  reading these sets' misses);
+  the former held-out sets ``dev``, ``holdout2``, ``holdout3``, ``holdout4``,
+  ``holdout5``, moved in once scored). ``leave_one_set_out`` trains without
+  one of them and scores it: a set gathered apart, from other threads and
+  projects, is the honest estimate of accuracy on a new set (optimistic
+  still: patterns were written after reading these sets' misses);
 * a held-out set that is not trained on (a new folder) is scored with
   ``folds=0`` by the shipped classifier. Lines identical to a catalog example
   are counted apart (``family_accuracy_unseen``): the patterns were checked

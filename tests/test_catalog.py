@@ -498,3 +498,67 @@ def test_round6_patterns_stay_off_lookalike_lines(shipped, line: str) -> None:
 
     res = Normalizer(shipped, fallback=False).classify_line(line)
     assert res.code not in {"LOSS_SCALE_OVERFLOW", "NCCL_INTERNAL_ERROR"}
+
+
+# Round 7: public wording variants (neither corpus lines nor catalog examples) of
+# the message families added from holdout6's misses.
+ROUND7_LINES = [
+    # PyTorch checked_convert, another dtype name (a public test fixture's line)
+    (
+        "RuntimeError: value cannot be converted to type c10::BFloat16 without overflow",
+        "SCALAR_DTYPE_OVERFLOW",
+    ),
+    # ollama's runner, without the time/source fields (a public troubleshooting note)
+    (
+        'level=WARN msg="truncating input prompt" limit=4096 prompt=4938 keep=5 new=4096',
+        "TOKENIZER_SEQUENCE_EXCEEDS_MODEL_MAX",
+    ),
+    # ollama's newer %q quoting, JSON-escaped in a client's error body
+    (
+        '{"error":"model \\"muse-glimmer:30b\\" not found, try pulling it first"}',
+        "MODEL_NOT_FOUND",
+    ),
+    # PyTorch's index kernel assertion with operator() as the kernel name
+    (
+        "../aten/src/ATen/native/cuda/IndexKernel.cu:92: operator(): block: [1193,0,0], thread: "
+        '[124,0,0] Assertion `-sizes[i] <= index && index < sizes[i] && "index out of bounds"` '
+        "failed.",
+        "CUDA_ERROR_DEVICE_ASSERT",
+    ),
+    # NCCL quoting the CUDA error it hit: the CUDA error is the cause
+    (
+        "job-55s085tswg-master-0:832:2092 [5] include/alloc.h:388 NCCL WARN Cuda failure "
+        "'an illegal memory access was encountered'",
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
+    ),
+    (
+        "[ONNXRuntimeError] : 1 : FAIL : CUDA failure 999: unknown error ; GPU=0",
+        "CUDA_ERROR_UNKNOWN",
+    ),
+]
+
+
+@pytest.mark.parametrize(("line", "code"), ROUND7_LINES)
+def test_round7_message_families_match_their_code(shipped, line: str, code: str) -> None:
+    from ingest.classify import Normalizer
+    from ingest.corpus import real_corpus
+
+    examples = {ex for c in shipped for ex in c.examples}
+    errors, benign = real_corpus()
+    assert line not in examples and line not in {e["text"] for e in errors} | set(benign)
+    assert Normalizer(shipped, fallback=False).classify_line(line).code == code
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # a trainer's per-step report names the gradient norm: no fault by itself
+        "{'loss': 1.2301, 'grad_norm': 0.5342, 'learning_rate': 1.9e-05, 'epoch': 0.12}",
+        # kubectl: a pod that is running, restarted once
+        "vllm-7c9d8f6b5-x2k4p      1/1     Running   1 (3h ago)   5h",
+    ],
+)
+def test_round7_patterns_stay_off_lookalike_lines(shipped, line: str) -> None:
+    from ingest.classify import Normalizer
+
+    assert Normalizer(shipped, fallback=False).classify_line(line).code is None

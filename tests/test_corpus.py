@@ -3,12 +3,12 @@ ranking gets worse.
 
 * ``ingest/data/corpus``: the training corpus, made of sets (the lines gathered
   for it and the former held-out sets ``dev``, ``holdout2``, ``holdout3``,
-  trained on since round 4, ``holdout4``, ``holdout5``, since round 6), scored
-  by k-fold cross-validation and by leave-one-set-out (train without a set,
-  score it: the estimate for a new set);
+  trained on since round 4, ``holdout4``, ``holdout5``, since round 6,
+  ``holdout6`` since round 7), scored by k-fold cross-validation and by
+  leave-one-set-out (train without a set, score it: the estimate for a new set);
 * ``tests/fixtures/real/crashlogs``: real multi-line crash logs;
 * ``tests/fixtures/real/<set>``: an independent set not yet trained on, scored
-  once as shipped and gated below (``HOLDOUT_GATES``: ``holdout6``).
+  once as shipped and gated below (``HOLDOUT_GATES``; none at present).
 
 The thresholds sit a few points under the measured figures (see CHANGELOG),
 so a real regression fails and run-to-run noise does not.
@@ -27,8 +27,8 @@ from rca.bench.corpus import evaluate_corpus
 REAL = Path(__file__).with_name("fixtures") / "real"
 CRASHLOGS = REAL / "crashlogs"
 #: Sets moved into the training corpus once scored (round 4; holdout4 and
-#: holdout5 in round 6).
-FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3", "holdout4", "holdout5")
+#: holdout5 in round 6; holdout6 in round 7).
+FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3", "holdout4", "holdout5", "holdout6")
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
 #: out: dev 0.972, holdout2 0.876-0.889, holdout3 0.848-0.852, pooled
@@ -44,8 +44,20 @@ FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3", "holdout4", "holdout5")
 #: whose misses were studied): 3-fold 0.907, precision 0.980, 3/2390 flagged;
 #: leave one set out dev 0.978, holdout2 0.880, holdout3 0.860, holdout4 0.933,
 #: holdout5 0.919, pooled 0.910 at precision 0.974, 2/1715 flagged.
+#: Round 7 (holdout6 moved in, its misses studied; 1,714 fault lines, 2,685
+#: ordinary): 5-fold 0.914 at precision 0.984, 2/2685 flagged; leave one set
+#: out dev 0.972, holdout2 0.889, holdout3 0.889, holdout4 0.937, holdout5
+#: 0.913, holdout6 0.930 (optimistic: studied), pooled 0.920 at precision
+#: 0.981, 4/2,010 flagged.
 KFOLD_MIN = 0.88
-LOSO_MIN = {"dev": 0.94, "holdout2": 0.85, "holdout3": 0.82, "holdout4": 0.90, "holdout5": 0.88}
+LOSO_MIN = {
+    "dev": 0.94,
+    "holdout2": 0.86,
+    "holdout3": 0.86,
+    "holdout4": 0.91,
+    "holdout5": 0.88,
+    "holdout6": 0.90,
+}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +118,7 @@ def test_answers_are_rarely_wrong(scores) -> None:
 
 
 def test_family_accuracy_does_not_regress(scores) -> None:
-    """3-fold cross-validation over all 1,543 lines (measured 0.907)."""
+    """3-fold cross-validation over all 1,714 lines (measured: see KFOLD_MIN)."""
     assert scores["family_accuracy"] >= KFOLD_MIN, scores["misses"]
     rounds = scores["by_round"]
     # the first rounds' lines, mostly catalog-covered (measured 0.954), and the
@@ -162,10 +174,18 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 #
 # holdout6 (171 fault lines, 68 projects, 295 ordinary lines; three gatherers,
 # none ran the classifier): round 5's classifier: family 0.725, precision
-# 0.954, 2/295 flagged; round 6 (which never saw it): 0.737, 0.947, 2/295.
+# 0.954, 2/295 flagged; round 6 (which never saw it): 0.737, 0.947, 2/295;
+# round 7, after studying its misses (optimistic): 0.930, 0.994, 2/295. Moved
+# into the corpus in round 7.
+#
+# holdout7 (88 fault lines, 31 projects, 191 ordinary lines; two gatherers,
+# none ran the classifier; short of 150: unused public text ran out): round
+# 6's classifier: family 0.705, precision 0.954, 0/191 flagged; round 7 (which
+# never saw it): 0.705, 0.954, 0/191 (two lines gained, two lost).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout6": {
-        "family_accuracy": 0.71,
+    "holdout7": {
+        "min_lines": 85,
+        "family_accuracy": 0.68,
         "precision_when_answered": 0.92,
         "benign_flagged_share": 0.02,
     },
@@ -181,7 +201,7 @@ def test_independent_set_scored_as_shipped(name: str) -> None:
     gate, folder = HOLDOUT_GATES[name], REAL / name
     s = evaluate_corpus(folder, None, folds=0)
     assert s["lines_also_in_training_corpus"] == 0  # unseen text, or the figure means nothing
-    assert s["error_lines"] >= 150 and s["projects"] >= 5
+    assert s["error_lines"] >= gate.get("min_lines", 150) and s["projects"] >= 5
     assert s["family_accuracy"] >= gate["family_accuracy"], s["misses"]
     assert s["precision_when_answered"] >= gate["precision_when_answered"]
     assert s["benign_flagged_share"] <= gate["benign_flagged_share"]

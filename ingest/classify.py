@@ -9,8 +9,9 @@
    :func:`match_rank`).
 3. Lines no pattern knows but that look like errors go to a learned fallback
    (scikit-learn: TF-IDF over words and character n-grams + logistic
-   regression, trained on the catalog's examples and on ordinary server
-   output as the "no fault" class). It answers only above a confidence
+   regression, a fault-vs-ordinary gate then the family, trained on the
+   catalog's examples and summaries and on ordinary server output as the
+   "no fault" class). It answers only above a confidence
    threshold: a confident wrong answer is worse than "unknown".
 """
 
@@ -207,8 +208,9 @@ class Batch:
 
 #: Bump when the fallback's features, model or training-set construction change:
 #: it is part of the on-disk cache key.
-CLASSIFIER_VERSION = 7  # 5: family-only training labels; 6: 15 SGD epochs;
-# 7: a path's directories dropped from the model's text
+CLASSIFIER_VERSION = 8  # 5: family-only training labels; 6: 15 SGD epochs;
+# 7: a path's directories dropped from the model's text; 8: a fault-vs-ordinary
+# gate before the family model, catalog summaries as family training texts
 
 
 def _training_set(
@@ -264,8 +266,8 @@ def training_key(catalog: Catalog, texts: Sequence[str], labels: Sequence[str]) 
 
 
 class _Fallback:
-    """TF-IDF + a log-loss linear model over catalog examples and real lines vs
-    ordinary lines."""
+    """TF-IDF + log-loss linear models over catalog examples and real lines vs
+    ordinary lines: a fault-vs-ordinary gate, then the family of a fault."""
 
     def __init__(
         self,
@@ -305,24 +307,40 @@ class _Fallback:
                 ),
             ]
         )
-        # The family is learned (23 classes: SGD on the log loss, probabilities in
-        # about a second; lbfgs over 186 code classes took ~30 s); the code within
-        # the family is the nearest code centroid (cosine) of the training lines.
+        # The family is learned in two stages (round 8; before: one SGD over the
+        # 22 families and the ordinary class): a fault-vs-ordinary gate, then the
+        # family among fault lines only; P(family) = P(fault) * P(family | fault).
+        # Both SGD on the log loss (lbfgs over 186 code classes took ~30 s); the
+        # code within the family is the nearest code centroid (cosine) of the
+        # training lines. Each code's catalog ``summary`` is also a training text
+        # for its family (the gate's fault class and the family model, not the
+        # centroids): the vocabulary of a family ("cgroup", "shared memory",
+        # "loss scale") that new phrasings share. Leave one set out (6 sets,
+        # 1,218 lines, same 0.65 threshold): family accuracy 0.920 -> 0.925,
+        # precision 0.981 -> 0.981, 4 -> 3 ordinary lines flagged; fit ~2x faster.
         fam_labels = [label_family(catalog, c) for c in labels]
-        clf = SGDClassifier(
-            loss="log_loss",
-            alpha=1e-5,
-            max_iter=15,  # 30 until round 4: same leave-one-set-out figures, half the time
-            tol=None,
-            random_state=seed,
-            class_weight="balanced",  # rare families (numerical, scheduler) get a say
-        )
+        summaries = [_strip_numbers(code.summary) for code in catalog if code.summary]
+        fam_labels += [code.family for code in catalog if code.summary]
+
+        def sgd() -> Any:
+            return SGDClassifier(
+                loss="log_loss",
+                alpha=1e-5,
+                max_iter=15,  # 30 until round 4: same leave-one-set-out figures, half the time
+                tol=None,
+                random_state=seed,
+                class_weight="balanced",  # rare families (numerical, scheduler) get a say
+            )
+
         self.features = features
-        x = features.fit_transform(list(texts))
+        x_all = features.fit_transform([*texts, *summaries])
+        x = x_all[: len(texts)]
         for _, vec in features.transformer_list:
             vec.stop_words_ = None  # terms cut by max_features: only pickle weight
-        self.clf = clf.fit(x, fam_labels)
-        self.families = list(clf.classes_)
+        is_fault = np.array([f != NONE_LABEL for f in fam_labels])
+        self.gate = sgd().fit(x_all, is_fault)
+        self.clf = sgd().fit(x_all[is_fault], np.array(fam_labels)[is_fault])
+        self.families = [NONE_LABEL, *self.clf.classes_]
         codes = sorted({c for c in labels if c in catalog})
         self.codes = codes
         self.code_family = [catalog[c].family for c in codes]
@@ -339,7 +357,8 @@ class _Fallback:
         """(code, confidence) per line: the most probable family and its probability;
         the code is that family's code nearest to the line (NONE_LABEL if ordinary)."""
         x = self.features.transform([_strip_numbers(t) for t in lines])
-        proba = self.clf.predict_proba(x)
+        fault = self.gate.predict_proba(x)[:, list(self.gate.classes_).index(True)]
+        proba = np.hstack([(1 - fault)[:, None], self.clf.predict_proba(x) * fault[:, None]])
         best = proba.argmax(axis=1)
         sims = (x @ self.centroids.T).toarray()
         out: list[str] = []

@@ -49,14 +49,21 @@ FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3", "holdout4", "holdout5", "holdo
 #: out dev 0.972, holdout2 0.889, holdout3 0.889, holdout4 0.937, holdout5
 #: 0.913, holdout6 0.930 (optimistic: studied), pooled 0.920 at precision
 #: 0.981, 4/2,010 flagged.
+#: Round 8 (the fallback: a fault-vs-ordinary gate, then the family; catalog
+#: summaries as family training texts; no pattern or corpus change), before ->
+#: after: 5-fold 0.914 -> 0.917 (precision 0.984 -> 0.983, 2 -> 3/2685
+#: flagged); leave one set out dev 0.972 -> 0.972, holdout2 0.889 -> 0.907,
+#: holdout3 0.889 -> 0.885, holdout4 0.937 -> 0.941, holdout5 0.913 -> 0.925,
+#: holdout6 0.930 -> 0.936, pooled 0.920 -> 0.925 at precision 0.981 -> 0.981,
+#: 4 -> 3/2,010 flagged.
 KFOLD_MIN = 0.88
 LOSO_MIN = {
     "dev": 0.94,
-    "holdout2": 0.86,
+    "holdout2": 0.88,
     "holdout3": 0.86,
     "holdout4": 0.91,
-    "holdout5": 0.88,
-    "holdout6": 0.90,
+    "holdout5": 0.89,
+    "holdout6": 0.91,
 }
 
 
@@ -181,7 +188,8 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # holdout7 (88 fault lines, 31 projects, 191 ordinary lines; two gatherers,
 # none ran the classifier; short of 150: unused public text ran out): round
 # 6's classifier: family 0.705, precision 0.954, 0/191 flagged; round 7 (which
-# never saw it): 0.705, 0.954, 0/191 (two lines gained, two lost).
+# never saw it): 0.705, 0.954, 0/191 (two lines gained, two lost); round 8's
+# two-stage fallback (which never saw it): 0.705, 0.969, 0/191.
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
     "holdout7": {
         "min_lines": 85,

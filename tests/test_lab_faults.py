@@ -1,5 +1,6 @@
-"""Every fault injector leaves its ground-truth code in the store, and the
-demo runs end to end (short mode)."""
+"""Every fault injector leaves its ground-truth code in the store, as evidence
+of the failed request's trace (on the trace's own record when a probe in the
+serving process caught it), and the demo runs end to end (short mode)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ from ingest.store import Store  # noqa: E402
 from rca.lab.faults import FAULTS, fault_types  # noqa: E402
 from rca.lab.runner import Scenario, run_scenario  # noqa: E402
 
+#: Faults the in-process probes catch (operator checks, KV fingerprints): their
+#: record is stamped with the failing request's trace id where it is made.
+CAUGHT_IN_PROCESS = {
+    "weight_inf",
+    "norm_nan",
+    "tokenizer_oov",
+    "position_overflow",
+    "kv_corruption",
+}
+
 
 @pytest.mark.parametrize("name", fault_types())
 def test_injector_leaves_its_ground_truth_in_the_store(name: str, tmp_path: Path) -> None:
@@ -29,6 +40,15 @@ def test_injector_leaves_its_ground_truth_in_the_store(name: str, tmp_path: Path
     assert out.incident_trace is not None, f"{name}: no request failed ({out.statuses})"
     hit = next(r for r in out.requests if r.trace_id == out.incident_trace)
     assert hit.status == FAULTS[name].status, f"{name}: status {hit.status}"
+    # and the code reaches that request's trace: its own record (probes stamp
+    # the trace id) or context the query joins by request, GPU, host and time
+    # (the NVML poller's Xid and throttle records, kernel and engine lines)
+    from rca.query import gather_evidence
+
+    ev = gather_evidence(out.incident_trace, store).evidence
+    assert out.code in {e.code for e in ev}, f"{name}: {sorted({e.code for e in ev})}"
+    if name in CAUGHT_IN_PROCESS:  # the probe's own record carries the trace id
+        assert any(e.code == out.code and e.scope == "trace" for e in ev), name
 
 
 def test_there_are_enough_fault_types_over_the_families() -> None:

@@ -194,13 +194,18 @@ def match_rank(code: Code, match: re.Match[str]) -> tuple[int, int, int]:
 
 class Batch:
     """Results of one batch: ``matches`` maps a line index to (code, confidence,
-    fields, method); lines absent from it carry no fault evidence."""
+    fields, method); lines absent from it carry no fault evidence.
+    ``unclassified`` maps the index of a line that reads like a fault but that
+    neither a pattern nor a confident model answer names to (the model's best
+    fault family below the threshold, or None where it is never asked, its
+    probability): shown to the user as "could not name", never evidence."""
 
-    __slots__ = ("n", "matches")
+    __slots__ = ("n", "matches", "unclassified")
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.matches: dict[int, tuple[Code, float, dict[str, Any], str]] = {}
+        self.unclassified: dict[int, tuple[str | None, float]] = {}
 
     def set(self, idx: int, code: Code, conf: float, fields: dict[str, Any], method: str) -> None:
         self.matches[idx] = (code, conf, fields, method)
@@ -493,13 +498,22 @@ class Normalizer:
             errorish = s.str.contains(ERRORISH).fill_null(False).to_numpy() & ~hit
             errorish &= ~s.str.contains(STRUCTURE).fill_null(False).to_numpy()
             errorish[skip] = False
-            rest = [i for i in np.flatnonzero(errorish).tolist() if not _ABSTAINS.search(lines[i])]
+            rest = []
+            for i in np.flatnonzero(errorish).tolist():
+                if _ABSTAINS.search(lines[i]):
+                    batch.unclassified[i] = (None, 0.0)  # an exception no pattern knows
+                else:
+                    rest.append(i)
             if rest:
                 labels, probs = self._model().predict([lines[i] for i in rest])
                 for idx, lab, p in zip(rest, labels, probs, strict=True):
-                    if lab != NONE_LABEL and p >= self.threshold:
+                    if lab == NONE_LABEL:
+                        continue  # most likely an ordinary line
+                    if p >= self.threshold:
                         f = self._generic_fields(lines[idx], {})
                         batch.set(idx, self.catalog[lab], float(p), f, "model")
+                    else:
+                        batch.unclassified[idx] = (self.catalog[lab].family, float(p))
         return batch
 
     def classify(self, lines: Sequence[str], *, first_line: int = 1) -> list[LineResult]:

@@ -123,6 +123,12 @@ def parse_timestamp(
     return ts, host
 
 
+#: Lines that read like faults but that no code names, kept per file for the
+#: user to read (``rca diagnose``): at most this many, each cut to this length.
+UNCLASSIFIED_KEEP = 20
+UNCLASSIFIED_CHARS = 300
+
+
 @dataclass
 class LogParseResult:
     records: list[S.ErrorContext] = field(default_factory=list)
@@ -132,6 +138,10 @@ class LogParseResult:
     no_timestamp: int = 0
     last_line: int = 0  # every record of lines <= this one is in this or an earlier batch
     gpu_map: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    #: lines that read like faults but that no code names (Batch.unclassified):
+    #: how many, and the first UNCLASSIFIED_KEEP of them (redacted, cut)
+    unclassified: int = 0
+    unclassified_lines: list[dict[str, Any]] = field(default_factory=list)
 
     def extend(self, other: LogParseResult) -> None:
         self.records += other.records
@@ -140,6 +150,9 @@ class LogParseResult:
         self.lines += other.lines
         self.no_timestamp += other.no_timestamp
         self.gpu_map.update(other.gpu_map)
+        self.unclassified += other.unclassified
+        room = UNCLASSIFIED_KEEP - len(self.unclassified_lines)
+        self.unclassified_lines += other.unclassified_lines[: max(0, room)]
 
 
 def iter_bounded_lines(fh: BinaryIO, max_len: int = MAX_LINE) -> Iterator[tuple[bytes, bool]]:
@@ -270,7 +283,22 @@ def _parse_batch(
                 st.gpu_map[key] = m["uuid"]
     # frames and source lines inside a traceback are code, never evidence
     # (classify_batch leaves them out)
-    matches = norm.classify_batch(texts).matches
+    classified = norm.classify_batch(texts)
+    matches = classified.matches
+    for idx in sorted(classified.unclassified):
+        res.unclassified += 1
+        if len(res.unclassified_lines) < UNCLASSIFIED_KEEP:
+            line_no, text = items[idx]
+            family, p = classified.unclassified[idx]
+            res.unclassified_lines.append(
+                {
+                    "file": source,
+                    "line": line_no,
+                    "text": redact(text)[:UNCLASSIFIED_CHARS],
+                    "family_hint": family,
+                    "p": round(p, 3),
+                }
+            )
     tb_of: dict[int, tuple[Traceback, int]] = {}
     for tb in tbs:
         for pos, exc in enumerate(tb.exceptions):

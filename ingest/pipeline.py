@@ -15,7 +15,13 @@ from typing import Any, BinaryIO
 from graph.errors import InputError
 from ingest import schema as S
 from ingest.classify import Normalizer, default_normalizer
-from ingest.logs import LogParseResult, file_year, iter_bounded_lines, iter_log_batches
+from ingest.logs import (
+    UNCLASSIFIED_KEEP,
+    LogParseResult,
+    file_year,
+    iter_bounded_lines,
+    iter_log_batches,
+)
 from ingest.otlp import parse_otlp_json_lines
 from ingest.store import Store
 
@@ -78,6 +84,7 @@ class FileReport:
     metrics: int = 0
     quarantined: int = 0
     no_timestamp: int = 0
+    unclassified: int = 0  # lines that read like faults but no code names (not stored)
     skipped: bool = False  # already ingested
     key: str = ""
 
@@ -90,9 +97,12 @@ class IngestReport:
     files: list[FileReport] = field(default_factory=list)
     records: list[S.ErrorContext] = field(default_factory=list)  # kept when keep_records
     tracebacks: list[dict[str, Any]] = field(default_factory=list)
+    #: with keep_records: the first lines per file that read like faults but
+    #: that no code names (file, line, redacted text, the model's family hint)
+    unclassified: list[dict[str, Any]] = field(default_factory=list)
 
     def totals(self) -> dict[str, int]:
-        keys = ("read", "normalized", "records", "spans", "metrics", "quarantined")
+        keys = ("read", "normalized", "records", "spans", "metrics", "quarantined", "unclassified")
         return {k: sum(getattr(f, k) for f in self.files) for k in keys}
 
 
@@ -250,9 +260,12 @@ def _ingest_log(
         fr.normalized += len(res.records)
         fr.quarantined += len(res.quarantine)
         fr.no_timestamp += res.no_timestamp
+        fr.unclassified += res.unclassified
         if keep:
             report.records += res.records
             report.tracebacks += [{**t, "file": str(path)} for t in res.tracebacks]
+            room = UNCLASSIFIED_KEEP - sum(1 for u in report.unclassified if u["file"] == str(path))
+            report.unclassified += res.unclassified_lines[: max(0, room)]
         if store is not None:
             # an interrupted earlier run committed lines <= resume_after already
             new = [r for r in res.records if (r.attrs or {}).get("line", 0) > resume_after]

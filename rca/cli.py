@@ -256,12 +256,18 @@ def ingest(
             f"{f.path} [{f.format}]: read {f.read}, normalized {f.normalized} "
             f"(records {f.records}, spans {f.spans}, metric samples {f.metrics}), "
             f"quarantined {f.quarantined}"
+            + (f", read like faults but unnamed {f.unclassified}" if f.unclassified else "")
         )
     t = report.totals()
     typer.echo(
         f"total: read {t['read']}, normalized {t['normalized']}, "
         f"quarantined {t['quarantined']} -> {store.path}"
     )
+    if t["unclassified"]:
+        typer.echo(
+            f"{t['unclassified']} line(s) read like faults but no code names them (not stored;"
+            " `rca diagnose FILE` lists them)"
+        )
 
 
 @app.command()

@@ -55,7 +55,13 @@ def diagnose_paths(
     with tempfile.TemporaryDirectory(prefix="rca-diagnose-") as tmp:
         store = Store(db if db is not None else Path(tmp) / "diagnose.duckdb")
         report = ingest_paths(
-            store, paths, fmt=fmt, host=host, keep_records=True, reparse_skipped=True
+            store,
+            paths,
+            fmt=fmt,
+            host=host,
+            normalizer=normalizer,
+            keep_records=True,
+            reparse_skipped=True,
         )
     records = report.records
     catalog = default_catalog()
@@ -105,6 +111,7 @@ def diagnose_paths(
         for r in records
         if r.event_id in used
     ]
+    totals = report.totals()
     diag = Diagnosis(
         trace_id=None,
         symptom=symptom,
@@ -112,8 +119,10 @@ def diagnose_paths(
         evidence_rows=len(evidence),
         evidence=shown,
         notes=notes,
+        unclassified=report.unclassified,
+        unclassified_count=totals["unclassified"],
     )
-    return diag, {"files": [f.to_dict() for f in report.files], **report.totals()}
+    return diag, {"files": [f.to_dict() for f in report.files], **totals}
 
 
 def diagnosis_dict(diag: Diagnosis) -> dict[str, Any]:

@@ -179,13 +179,21 @@ class Diagnosis:
     topology_version: int = 1
     notes: list[str] = field(default_factory=list)
     evidence: list[dict[str, Any]] = field(default_factory=list)
+    #: postmortem: lines that read like faults but that no code names (file,
+    #: line, redacted text, the model's family hint and its probability): not
+    #: evidence, shown so an unfamiliar error is not silently dropped
+    unclassified: list[dict[str, Any]] = field(default_factory=list)
+    unclassified_count: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "trace_id": self.trace_id,
             "symptom": self.symptom,
             "causes": [c.to_dict() for c in self.causes],
         }
+        if self.unclassified_count:
+            out["unclassified"] = {"count": self.unclassified_count, "lines": self.unclassified}
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

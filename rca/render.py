@@ -36,6 +36,7 @@ def print_diagnosis(
     )
     if not diag.causes:
         console.print("  no candidate root cause: no evidence connects to the symptom")
+        _print_unclassified(console, diag)
         return
     for c in diag.causes[:top]:
         style = "bold red" if c.rank == 1 else "bold"
@@ -64,6 +65,24 @@ def print_diagnosis(
     shown = diag.causes[:top]
     if any(code not in set(c.observed) for c in shown for code in c.chain):
         console.print("  [dim]\\[CODE] = inferred link with no evidence row[/dim]")
+    _print_unclassified(console, diag)
+
+
+def _print_unclassified(console: Console, diag: Diagnosis, limit: int = 10) -> None:
+    """Lines that read like faults but that no code names: not in the ranking,
+    listed so that an error the classifier does not know is still seen."""
+    if not diag.unclassified_count:
+        return
+    console.print(
+        f"  [bold]could not name[/bold] {diag.unclassified_count} line(s) that read like "
+        "faults (not evidence; the model's guess, below its threshold, in brackets):"
+    )
+    for u in diag.unclassified[:limit]:
+        hint = f"[{u['family_hint']}? {u['p']:.2f}]" if u.get("family_hint") else "[?]"
+        text = escape(str(u.get("text", "")).strip()[:120])
+        console.print(f"     {u['file']}:{u['line']}  {escape(hint):<28} {text}")
+    if diag.unclassified_count > min(limit, len(diag.unclassified)):
+        console.print(f"     [dim]... {diag.unclassified_count - limit} more[/dim]")
 
 
 def print_demo(console: Console, report: DemoReport) -> None:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from graph.catalog import load_catalog
+from graph.catalog import FAMILIES, load_catalog
 from ingest.classify import Normalizer, required_literals
 from ingest.logs import iter_bounded_lines, parse_log_lines, parse_timestamp, pci_key
 from ingest.normalize import LineClassifier, redact
@@ -72,6 +72,44 @@ def test_learned_fallback_answers_only_when_confident(normalizer) -> None:
     if res.code:
         assert res.method == "model" and normalizer.threshold <= res.confidence < 1.0
     assert normalizer.classify_line("ERROR something unexpected happened: code 7").code is None
+
+
+def test_lines_that_read_like_faults_but_no_code_names_are_listed_not_dropped(
+    tmp_path: Path,
+) -> None:
+    """A fault-like line that neither a pattern nor a confident model answer
+    names is kept aside as "could not name" (with the model's family guess, if
+    it has one): never evidence, never silently lost in a postmortem."""
+    from rca.diagnose import diagnose_paths, diagnosis_dict
+
+    # a threshold no probability reaches: every model answer is a guess
+    unsure = Normalizer(load_catalog(), threshold=1.01)
+    lines = [
+        "INFO 11-29 10:00:00 [engine.py:10] started",  # ordinary
+        "[Sun Nov 29 10:00:02 2026] NVRM: Xid (PCI:0000:9b:00): 79, pid=1234, name=python, "
+        "GPU has fallen off the bus.",  # a pattern names it
+        "AttributeError: 'NoneType' object has no attribute 'frobnicate'",  # never asked
+        "ERROR 11-29 10:00:03 [worker.py:99] Unable to initialize shared memory key "
+        "'triton_python_backend_shm_region_2' to requested size",
+    ]
+    b = unsure.classify_batch(lines)
+    assert set(b.matches) == {1}
+    assert b.unclassified[2] == (None, 0.0)
+    fam, p = b.unclassified[3]
+    assert fam in FAMILIES and 0.0 < p < 1.01
+    assert 0 not in b.unclassified
+
+    log = tmp_path / "crash.log"
+    log.write_text("\n".join(lines + ["AttributeError: 'X' object has no attribute 'y'"] * 30))
+    diag, totals = diagnose_paths([log], normalizer=unsure)
+    assert diag.causes[0].code == "GPU_XID_79"
+    assert totals["unclassified"] == diag.unclassified_count == 32
+    shown = diagnosis_dict(diag)["unclassified"]
+    assert shown["count"] == 32 and len(shown["lines"]) == 20  # bounded per file
+    assert [u["line"] for u in shown["lines"][:2]] == [3, 4]
+    assert shown["lines"][1]["family_hint"] == fam and str(log) == shown["lines"][0]["file"]
+    res = runner.invoke(app, ["diagnose", str(log)])
+    assert res.exit_code == 0 and "could not name" in res.output
 
 
 def test_timestamps_hosts_and_pci(tmp_path) -> None:

@@ -400,6 +400,20 @@ def _strip_numbers(text: str) -> str:
     return _NUM.sub("0", _LEVEL.sub(" ", _PATH_DIRS.sub("/", text)))
 
 
+def model_text(text: str) -> str:
+    """A line as the model sees it, whitespace collapsed."""
+    return " ".join(_strip_numbers(text).split())
+
+
+def label_key(text: str) -> str:
+    """The key under which a labelled line (:mod:`ingest.labels`, kept
+    redacted) names the same message again: the redacted line as the model
+    sees it (a prompt of another length still matches)."""
+    from ingest.normalize import redact
+
+    return model_text(redact(text))
+
+
 class Normalizer:
     """Classify batches of lines against the catalog; build once, reuse."""
 
@@ -411,6 +425,7 @@ class Normalizer:
         threshold: float | None = None,
         training: Sequence[tuple[str, str | None]] | None = None,
         cache: bool | None = None,
+        labels: Sequence[tuple[str, str]] | None = None,
     ) -> None:
         """``training``: real (text, label) lines for the fallback, besides the
         catalog's examples; the label is a code, a family (a fault line no code
@@ -418,13 +433,26 @@ class Normalizer:
         (ingest/data/corpus, all its sets).
         ``cache``: keep the fitted fallback on disk (``$RCA_HOME/cache``) and
         reuse it while its training inputs are unchanged; None means only for
-        the shipped corpus (cross-validation folds are not cached)."""
+        the shipped corpus (cross-validation folds are not cached).
+        ``labels``: your own (text, code) lines (:mod:`ingest.labels`): a line
+        equal to one of them up to its numbers names that code where no pattern
+        does, and the fallback trains on them; None means ``$RCA_HOME/
+        labels.jsonl`` when ``training`` is the shipped corpus, else none."""
         self._cache = cache
         #: where the fallback came from once built: "trained" or "cache"
         self.fallback_source: str | None = None
         self.catalog = catalog
         self.threshold = DEFAULT_THRESHOLD if threshold is None else threshold
         self._training = training
+        if labels is None and training is None:
+            from ingest.labels import load_labels
+
+            found = load_labels(catalog)
+            labels, self.labels_skipped = found.pairs(), found.skipped
+        else:
+            self.labels_skipped = 0
+        self._labels = [(t, c) for t, c in (labels or ()) if c in catalog]
+        self._label_map = {label_key(t): catalog[c] for t, c in self._labels}
         self._use_fallback = fallback
         self._fallback: _Fallback | None = None
         self._rules: list[tuple[re.Pattern[str], Code]] = []
@@ -494,13 +522,18 @@ class Normalizer:
                 mt, code = best
                 f = {k: _coerce(v) for k, v in mt.groupdict().items() if v}
                 batch.set(idx, code, 1.0, self._generic_fields(text, f), "pattern")
-        if self._use_fallback:
+        if self._use_fallback or self._label_map:
             errorish = s.str.contains(ERRORISH).fill_null(False).to_numpy() & ~hit
             errorish &= ~s.str.contains(STRUCTURE).fill_null(False).to_numpy()
             errorish[skip] = False
             rest = []
             for i in np.flatnonzero(errorish).tolist():
-                if _ABSTAINS.search(lines[i]):
+                if self._label_map and (code := self._label_map.get(label_key(lines[i]))):
+                    f = self._generic_fields(lines[i], {})
+                    batch.set(i, code, 1.0, f, "label")  # a line you labelled
+                elif not self._use_fallback:
+                    continue
+                elif _ABSTAINS.search(lines[i]):
                     batch.unclassified[i] = (None, 0.0)  # an exception no pattern knows
                 else:
                     rest.append(i)
@@ -549,7 +582,10 @@ class Normalizer:
         if self._fallback is None:
             from ingest.corpus import training_corpus
 
-            training = self._training if self._training is not None else training_corpus()
+            if self._training is not None:
+                training = list(self._training)
+            else:
+                training = [*training_corpus(), *self._labels]
             texts, labels = _training_set(self.catalog, training, 0)
             key = training_key(self.catalog, texts, labels)
             use_cache = self._cache if self._cache is not None else self._training is None

@@ -395,6 +395,49 @@ def diagnose(
         print_diagnosis(_console(), diag)
 
 
+@app.command()
+def label(
+    where: Annotated[
+        str | None, typer.Argument(help="FILE:LINE of the line to label (as diagnose lists it).")
+    ] = None,
+    code: Annotated[str | None, typer.Option(help="The catalog code it is (`rca codes`).")] = None,
+    text: Annotated[str | None, typer.Option(help="The line itself, instead of FILE:LINE.")] = None,
+    list_: Annotated[bool, typer.Option("--list", help="Show your labelled lines.")] = False,
+    remove: Annotated[int | None, typer.Option(help="Drop label N (from --list).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Teach the classifier a line it could not name (kept in $RCA_HOME/labels.jsonl)."""
+    from graph.catalog import default_catalog
+    from ingest.labels import add_label, labels_path, line_of, load_labels, remove_label
+
+    cat = default_catalog()
+    if list_ or (where is None and text is None and remove is None):
+        found = load_labels(cat)
+        if as_json:
+            typer.echo(json.dumps({"path": str(labels_path()), **found.__dict__}))
+            return
+        typer.echo(f"{len(found.labels)} labelled line(s) in {labels_path()}")
+        for n, lab in enumerate(found.labels, 1):
+            typer.echo(f"{n:>4}  {lab['code']:<32} {lab['text'][:100]}")
+        if found.skipped:
+            typer.echo(f"{found.skipped} line(s) of that file unusable (kept as they are)")
+        return
+    if remove is not None:
+        gone = remove_label(cat, remove)
+        typer.echo(json.dumps(gone) if as_json else f"removed: {gone['code']} {gone['text'][:100]}")
+        return
+    if code is None:
+        raise RcaError("--code is required to label a line (`rca codes` lists them)")
+    if (where is None) == (text is None):
+        raise RcaError("give either FILE:LINE or --text, not both")
+    line, origin = line_of(where) if where is not None else (str(text), None)
+    lab = add_label(cat, line, code, origin=origin)
+    if as_json:
+        typer.echo(json.dumps(lab))
+    else:
+        typer.echo(f"labelled {lab['code']} ({lab['family']}): {lab['text'][:100]}")
+
+
 def _progress(enabled: bool):  # type: ignore[no-untyped-def]
     """A rich progress bar on a terminal (stderr), else nothing."""
     import contextlib

@@ -83,6 +83,7 @@ def _print_unclassified(console: Console, diag: Diagnosis, limit: int = 10) -> N
         console.print(f"     {u['file']}:{u['line']}  {escape(hint):<28} {text}")
     if diag.unclassified_count > min(limit, len(diag.unclassified)):
         console.print(f"     [dim]... {diag.unclassified_count - limit} more[/dim]")
+    console.print("  [dim]teach one: rca label FILE:LINE --code CODE[/dim]")
 
 
 def print_demo(console: Console, report: DemoReport) -> None:

@@ -447,10 +447,7 @@ class Normalizer:
         if labels is None and training is None:
             from ingest.labels import load_labels
 
-            found = load_labels(catalog)
-            labels, self.labels_skipped = found.pairs(), found.skipped
-        else:
-            self.labels_skipped = 0
+            labels = load_labels(catalog).pairs()
         self._labels = [(t, c) for t, c in (labels or ()) if c in catalog]
         self._label_map = {label_key(t): catalog[c] for t, c in self._labels}
         self._use_fallback = fallback

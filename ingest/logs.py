@@ -285,20 +285,19 @@ def _parse_batch(
     # (classify_batch leaves them out)
     classified = norm.classify_batch(texts)
     matches = classified.matches
-    for idx in sorted(classified.unclassified):
-        res.unclassified += 1
-        if len(res.unclassified_lines) < UNCLASSIFIED_KEEP:
-            line_no, text = items[idx]
-            family, p = classified.unclassified[idx]
-            res.unclassified_lines.append(
-                {
-                    "file": source,
-                    "line": line_no,
-                    "text": redact(text)[:UNCLASSIFIED_CHARS],
-                    "family_hint": family,
-                    "p": round(p, 3),
-                }
-            )
+    res.unclassified = len(classified.unclassified)
+    for idx in sorted(classified.unclassified)[:UNCLASSIFIED_KEEP]:
+        line_no, text = items[idx]
+        family, p = classified.unclassified[idx]
+        res.unclassified_lines.append(
+            {
+                "file": source,
+                "line": line_no,
+                "text": redact(text)[:UNCLASSIFIED_CHARS],
+                "family_hint": family,
+                "p": round(p, 3),
+            }
+        )
     tb_of: dict[int, tuple[Traceback, int]] = {}
     for tb in tbs:
         for pos, exc in enumerate(tb.exceptions):

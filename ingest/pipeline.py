@@ -252,6 +252,7 @@ def _ingest_log(
         normalizer=norm,
         batch_size=batch_size,
     )
+    shown_lines = 0  # of this file's unclassified lines, kept in the report
     for res in batches:
         for rec in res.records:  # deterministic ids from the content, not the path
             rec.event_id = _content_event_id(fr.key, rec.attrs["line"] if rec.attrs else 0)
@@ -264,8 +265,9 @@ def _ingest_log(
         if keep:
             report.records += res.records
             report.tracebacks += [{**t, "file": str(path)} for t in res.tracebacks]
-            room = UNCLASSIFIED_KEEP - sum(1 for u in report.unclassified if u["file"] == str(path))
-            report.unclassified += res.unclassified_lines[: max(0, room)]
+            shown = res.unclassified_lines[: UNCLASSIFIED_KEEP - shown_lines]
+            report.unclassified += shown
+            shown_lines += len(shown)
         if store is not None:
             # an interrupted earlier run committed lines <= resume_after already
             new = [r for r in res.records if (r.attrs or {}).get("line", 0) > resume_after]

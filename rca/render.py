@@ -77,12 +77,13 @@ def _print_unclassified(console: Console, diag: Diagnosis, limit: int = 10) -> N
         f"  [bold]could not name[/bold] {diag.unclassified_count} line(s) that read like "
         "faults (not evidence; the model's guess, below its threshold, in brackets):"
     )
-    for u in diag.unclassified[:limit]:
+    shown = diag.unclassified[:limit]
+    for u in shown:
         hint = f"[{u['family_hint']}? {u['p']:.2f}]" if u.get("family_hint") else "[?]"
         text = escape(str(u.get("text", "")).strip()[:120])
         console.print(f"     {u['file']}:{u['line']}  {escape(hint):<28} {text}")
-    if diag.unclassified_count > min(limit, len(diag.unclassified)):
-        console.print(f"     [dim]... {diag.unclassified_count - limit} more[/dim]")
+    if diag.unclassified_count > len(shown):
+        console.print(f"     [dim]... {diag.unclassified_count - len(shown)} more[/dim]")
     console.print("  [dim]teach one: rca label FILE:LINE --code CODE[/dim]")
 
 

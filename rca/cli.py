@@ -411,7 +411,7 @@ def label(
     from ingest.labels import add_label, labels_path, line_of, load_labels, remove_label
 
     cat = default_catalog()
-    if list_ or (where is None and text is None and remove is None):
+    if list_ or (where is None and text is None and remove is None and code is None):
         found = load_labels(cat)
         if as_json:
             typer.echo(json.dumps({"path": str(labels_path()), **found.__dict__}))
@@ -429,7 +429,7 @@ def label(
     if code is None:
         raise RcaError("--code is required to label a line (`rca codes` lists them)")
     if (where is None) == (text is None):
-        raise RcaError("give either FILE:LINE or --text, not both")
+        raise RcaError("give the line to label: FILE:LINE or --text (one of them)")
     line, origin = line_of(where) if where is not None else (str(text), None)
     lab = add_label(cat, line, code, origin=origin)
     if as_json:

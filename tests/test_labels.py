@@ -62,6 +62,7 @@ def test_bad_label_input_is_one_line_and_unusable_lines_are_kept(tmp_path: Path)
         ["label", f"{log}:1"],
         ["label", f"{log}:1", "--text", "ERROR two", "--code", "DISK_FULL"],
         ["label", "--remove", "3"],
+        ["label", "--code", "DISK_FULL"],  # which line?
     ):
         res = runner.invoke(app, args)
         assert res.exit_code != 0, args

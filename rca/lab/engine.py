@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,6 +272,9 @@ class LabEngine:
         self.series: list[dict[str, float]] = []
         self.series_codes = dict(SERIES_CODES)
         self._lock = threading.RLock()
+        #: one entry per submit waiting for the lock: the step loop lets them in
+        #: between steps (deque append/pop are atomic across threads)
+        self._knocking: deque[None] = deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -471,7 +474,11 @@ class LabEngine:
             for f in self.faults:
                 if hasattr(f, "on_submit"):
                     f.on_submit(self, request)
-            res = self._admit(request, fut)
+            self._knocking.append(None)
+            try:
+                res = self._admit(request, fut)
+            finally:
+                self._knocking.pop()
         except Exception as exc:
             self.log_exception(
                 exc,
@@ -612,6 +619,12 @@ class LabEngine:
                 self._wake.wait(0.02)
                 self._wake.clear()
             self.step()
+            if self._knocking:
+                # a lock is not fair: stepping straight on, this thread would
+                # take it back before a waiting submit wakes, and the server
+                # would stall until the batch drained. vLLM's engine core takes
+                # new requests from its input queue between steps; so does this.
+                time.sleep(0.0005)
 
     def stop(self) -> None:
         """Stop the loop, flush the sink and the logs; idempotent."""

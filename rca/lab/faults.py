@@ -387,14 +387,18 @@ class QueueFlood(Fault):
     status: ClassVar[int] = 429
 
     def config(self) -> dict[str, Any]:
-        return {"max_waiting": 6}
+        return {"max_waiting": 6, "max_num_seqs": 2}
 
     def workload(self) -> list[dict[str, Any]]:
-        # 40 at once against 8 running + 6 waiting slots: the queue overflows
-        # even when the engine admits and finishes a few while they arrive (16
-        # left it to timing whether any request got a 429)
+        # 40 at once against 2 running + 6 waiting slots, each asking for the
+        # most tokens the server allows: a running pair holds its slots for 128
+        # steps, so the queue overflows however the arrivals interleave with the
+        # engine's steps. (8 slots and 24 tokens left it to timing: the engine
+        # thread sometimes finished whole batches between arrivals, and none got
+        # a 429.)
+        body = {"max_tokens": 128}  # LabConfig.max_tokens_limit
         return [
-            {"at": self.at_step, "body": {"prompt": f"retry {i}", "max_tokens": 24}, "victim": True}
+            {"at": self.at_step, "body": {"prompt": f"retry {i}", **body}, "victim": True}
             for i in range(40)
         ]
 

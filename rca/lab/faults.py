@@ -321,8 +321,15 @@ class TokenizerOOV(Fault):
     def before_step(self, engine: Any, batch: Any) -> None:
         if self.fired or not self.armed or not batch.is_prefill:
             return
-        batch.token_ids[-1] = engine.config.vocab_size + 7
+        # one prompt carries the bad ids: the last row that is prefilling
+        rows = [i for i, pre in enumerate(batch.prefill_rows or []) if pre]
+        r = rows[-1] if rows else batch.token_ids.shape[0] - 1
+        batch.token_ids[r] = engine.config.vocab_size + 7
         self.mark()
+        # that prompt's trace is the incident: the probe's record names its row
+        tid = batch.trace_ids[r] if r < len(batch.trace_ids) else None
+        if tid:
+            self.victims.append(tid)
         self._batch_victims(batch)
 
 

@@ -285,24 +285,25 @@ def _parse_batch(
     # (classify_batch leaves them out)
     classified = norm.classify_batch(texts)
     matches = classified.matches
-    res.unclassified = len(classified.unclassified)
-    for idx in sorted(classified.unclassified)[:UNCLASSIFIED_KEEP]:
-        line_no, text = items[idx]
-        family, p = classified.unclassified[idx]
-        res.unclassified_lines.append(
-            {
-                "file": source,
-                "line": line_no,
-                "text": redact(text)[:UNCLASSIFIED_CHARS],
-                "family_hint": family,
-                "p": round(p, 3),
-            }
-        )
     tb_of: dict[int, tuple[Traceback, int]] = {}
     for tb in tbs:
         for pos, exc in enumerate(tb.exceptions):
             tb_of[exc.line] = (tb, pos)
         res.tracebacks.append({**tb.to_dict(), "first_line": items[tb.start][0]})
+    res.unclassified = len(classified.unclassified)
+    for idx in sorted(classified.unclassified)[:UNCLASSIFIED_KEEP]:
+        line_no, text = items[idx]
+        family, p = classified.unclassified[idx]
+        unnamed: dict[str, Any] = {
+            "file": source,
+            "line": line_no,
+            "text": redact(text)[:UNCLASSIFIED_CHARS],
+            "family_hint": family,
+            "p": round(p, 3),
+        }
+        if idx in tb_of:  # where it was raised: the first thing one reads
+            unnamed["raised_at"] = _raised_at(tb_of[idx])
+        res.unclassified_lines.append(unnamed)
     ts_cache: dict[int, int | None] = {}
     last_ts_in_batch = st.last_ts
     for idx in sorted(matches):
@@ -351,6 +352,8 @@ def _parse_batch(
                 "of": len(tb.exceptions),
                 "chain": [e.type for e in tb.exceptions],
             }
+            if raised := _raised_at(tb_of[idx]):
+                attrs["traceback"]["raised_at"] = raised
         clean = redact(text)
         xid = fields.get("xid")
         pid = fields.get("pid")
@@ -389,6 +392,12 @@ def _parse_batch(
                 rec.gpu_uuid = st.gpu_map[key]
     res.gpu_map = dict(st.gpu_map)
     return res
+
+
+def _raised_at(where: tuple[Traceback, int]) -> str | None:
+    """The innermost frame of the exception (``vllm/lora/models.py:123 in f``)."""
+    tb, pos = where
+    return tb.exceptions[pos].raised_at
 
 
 def _timestamp_for(

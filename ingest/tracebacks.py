@@ -14,7 +14,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["ExceptionInfo", "Traceback", "find_tracebacks", "strip_prefix"]
+__all__ = [
+    "ExceptionInfo",
+    "Traceback",
+    "find_tracebacks",
+    "frame_location",
+    "strip_prefix",
+]
 
 _PREFIXES = (
     re.compile(r"^\(\w+ pid=\d+\) "),
@@ -59,6 +65,7 @@ class ExceptionInfo:
     type: str
     message: str
     line: int  # index of the exception line in the input sequence
+    raised_at: str | None = None  # innermost frame: "vllm/lora/models.py:123 in f"
 
     @property
     def text(self) -> str:
@@ -85,7 +92,8 @@ class Traceback:
             "start": self.start,
             "end": self.end,
             "chain": [
-                {"type": e.type, "message": e.message, "line": e.line} for e in self.exceptions
+                {"type": e.type, "message": e.message, "line": e.line, "raised_at": e.raised_at}
+                for e in self.exceptions
             ],
         }
 
@@ -104,14 +112,33 @@ def find_tracebacks(lines: Sequence[str]) -> list[Traceback]:
     return out
 
 
+_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>\S+))?')
+#: where a package's own path starts: what is before it says where Python is
+#: installed (and may name a user), not where the code is
+_PKG_ROOT = re.compile(r"^.*?[\\/](?:site|dist)-packages[\\/]")
+_HOME = re.compile(r"^.*?[\\/](?:home|Users)[\\/][^\\/]+[\\/]|^.*?[\\/]root[\\/]")
+
+
+def frame_location(path: str, line: str, func: str | None) -> str:
+    """``vllm/lora/models.py:123 in activate_adapter``: the path from the
+    package root (site-/dist-packages), else its last three parts."""
+    short = _PKG_ROOT.sub("", path)
+    if short == path:  # not an installed package: no home folder, the last three parts
+        short = "/".join(_HOME.sub("", path).replace("\\", "/").split("/")[-3:])
+    return f"{short}:{line}" + (f" in {func}" if func else "")
+
+
 def _parse_chain(lines: Sequence[str], i: int, tb: Traceback) -> int:
     n = len(lines)
     while True:
         # i is at a "Traceback (most recent call last):" line
         i += 1
         exc: ExceptionInfo | None = None
+        frame: str | None = None
         while i < n:
             body = strip_prefix(lines[i].rstrip("\r\n"))
+            if exc is None and (f := _FRAME.match(body)):
+                frame = frame_location(f["path"], f["line"], f["func"])
             if body.startswith((" ", "\t")) or not body.strip():
                 if exc is not None and not body.strip():
                     break  # a blank line ends the exception message
@@ -121,7 +148,7 @@ def _parse_chain(lines: Sequence[str], i: int, tb: Traceback) -> int:
                 break
             m = _EXC.match(body)
             if m and exc is None:
-                exc = ExceptionInfo(m["type"], (m["msg"] or "").strip(), i)
+                exc = ExceptionInfo(m["type"], (m["msg"] or "").strip(), i, frame)
                 tb.exceptions.append(exc)
                 tb.end = i
                 i += 1

@@ -107,6 +107,11 @@ def diagnose_paths(
             "message": r.message,
             "file": (r.attrs or {}).get("file"),
             "line": (r.attrs or {}).get("line"),
+            **(
+                {"raised_at": raised}
+                if (raised := ((r.attrs or {}).get("traceback") or {}).get("raised_at"))
+                else {}
+            ),
         }
         for r in records
         if r.event_id in used

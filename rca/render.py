@@ -60,6 +60,9 @@ def print_diagnosis(
                     else f"{_ts(r['ts'])}  {r['source']}"
                 )
                 console.print(f"     {where}  {r['code']:<28} {msg}  [dim]{r['event_id']}[/dim]")
+                if r.get("raised_at"):
+                    pad = " " * len(where)
+                    console.print(f"     {pad}  [dim]raised at {escape(str(r['raised_at']))}[/dim]")
     for note in diag.notes:
         console.print(f"  [bold]note[/bold]: {escape(note)}")
     shown = diag.causes[:top]
@@ -82,6 +85,8 @@ def _print_unclassified(console: Console, diag: Diagnosis, limit: int = 10) -> N
         hint = f"[{u['family_hint']}? {u['p']:.2f}]" if u.get("family_hint") else "[?]"
         text = escape(str(u.get("text", "")).strip()[:120])
         console.print(f"     {u['file']}:{u['line']}  {escape(hint):<28} {text}")
+        if u.get("raised_at"):
+            console.print(f"     [dim]{'':<28}   raised at {escape(str(u['raised_at']))}[/dim]")
     if diag.unclassified_count > len(shown):
         console.print(f"     [dim]... {diag.unclassified_count - len(shown)} more[/dim]")
     console.print("  [dim]teach one: rca label FILE:LINE --code CODE[/dim]")

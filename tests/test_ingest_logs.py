@@ -198,6 +198,49 @@ def test_chained_traceback_keeps_the_chain_and_finds_the_deepest_cause() -> None
     ]
     tb = find_tracebacks(during)
     assert len(tb) == 1 and [e.type for e in tb[0].exceptions] == ["KeyError", "ValueError"]
+    # each exception's innermost frame, the path from the package root
+    assert [e.raised_at for e in tb[0].exceptions] == ["a.py:1 in f", "b.py:2"]
+    assert chain.deepest.raised_at == "vllm/engine/async_llm_engine.py:51 in _log_task_completion"
+    assert tbs[0].deepest.raised_at == "vllm/model_executor/layers/sampler.py:309 in forward"
+
+
+def test_an_exception_no_code_names_says_where_it_was_raised(tmp_path: Path) -> None:
+    """The first thing an engineer reads of an unknown exception is where it was
+    raised: a traceback's innermost frame goes with its "could not name" line
+    and with an evidence line's record; a user's install path does not."""
+    from rca.diagnose import diagnose_paths, diagnosis_dict
+
+    unsure = Normalizer(load_catalog(), threshold=1.01)  # no model answer is confident
+    p = "ERROR 11-29 10:14:03 [core.py:1006] "
+    site = "/home/alice/venv/lib/python3.12/site-packages"
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "\n".join(
+            [
+                p + "Traceback (most recent call last):",
+                p + f'  File "{site}/vllm/v1/engine/core.py", line 701, in run_busy_loop',
+                p + "    self._process_engine_step()",
+                p + f'  File "{site}/vllm/lora/worker_manager.py", line 88, in _load_adapter',
+                p + "    raise ValueError(msg)",
+                p + "ValueError: adapter frobnication mismatch for shard 3",
+                "",
+                "Traceback (most recent call last):",
+                '  File "/opt/app/serve/runner.py", line 12, in step',
+                "RuntimeError: CUDA error: an illegal memory access was encountered",
+            ]
+        )
+    )
+    diag, _ = diagnose_paths([log], normalizer=unsure)
+    out = diagnosis_dict(diag)
+    unnamed = out["unclassified"]["lines"]
+    assert [u["line"] for u in unnamed] == [6]
+    assert unnamed[0]["raised_at"] == "vllm/lora/worker_manager.py:88 in _load_adapter"
+    assert "alice" not in json.dumps(out)
+    (ev,) = [e for e in diag.evidence if e["code"] == "CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert ev["line"] == 10 and ev["raised_at"] == "app/serve/runner.py:12 in step"
+    res = runner.invoke(app, ["diagnose", str(log)])
+    assert res.exit_code == 0
+    assert "raised at app/serve/runner.py:12 in step" in res.output
 
 
 def test_bad_input_is_quarantined_with_reasons_and_nothing_raises() -> None:

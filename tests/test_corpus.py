@@ -213,6 +213,39 @@ def test_independent_set_scored_as_shipped(name: str) -> None:
     assert s["family_accuracy"] >= gate["family_accuracy"], s["misses"]
     assert s["precision_when_answered"] >= gate["precision_when_answered"]
     assert s["benign_flagged_share"] <= gate["benign_flagged_share"]
+    if (folder / "blind_reader.jsonl").is_file():  # every fault line read blind
+        assert s["blind_reader"]["lines"] == s["error_lines"]
+
+
+def test_blind_reader_figures_compare_the_reader_with_labels_and_the_classifier() -> None:
+    """A blind reader (an engineer given each line's text alone) against the
+    set's labels, and the classifier against the reader, on the lines read."""
+    from types import SimpleNamespace
+
+    from rca.bench.corpus import blind_reader_figures
+
+    errors = [{"text": t, "family": "gpu_oom"} for t in "abcde"]
+    got = [SimpleNamespace(family=f) for f in ("gpu_oom", None, "gpu_oom", "timeout", "gpu_oom")]
+    reader = {
+        "a": ("gpu_oom", "high"),  # both right
+        "b": ("gpu_oom", "high"),  # the reader names it, the classifier does not
+        "c": (None, "low"),  # the text alone does not tell; the classifier guessed right
+        "d": ("network", "low"),  # both wrong
+    }  # "e" was not read
+    f = blind_reader_figures(errors, got, reader)
+    assert f is not None and f["lines"] == 4
+    assert f["reader_agreement"] == 0.5 and f["reader_unknown"] == 1
+    assert f["reader_precision_when_answered"] == round(2 / 3, 4)
+    assert (f["reader_high_confidence_lines"], f["reader_high_confidence_agreement"]) == (2, 1.0)
+    assert f["classifier_accuracy"] == 0.5
+    assert f["classifier_accuracy_where_reader_right"] == 0.5
+    assert f["joint"] == {
+        "reader_right_classifier_right": 1,
+        "reader_right_classifier_unknown": 1,
+        "reader_unknown_classifier_right": 1,
+        "reader_wrong_classifier_wrong": 1,
+    }
+    assert blind_reader_figures(errors, got, {}) is None
 
 
 # --- Cached fallback model ------------------------------------------------

@@ -18,7 +18,14 @@ one a figure is about):
   are counted apart (``family_accuracy_unseen``): the patterns were checked
   against them, so they are not unseen text;
 * crash logs (a folder with ``expected.json``) are diagnosed with a fallback
-  trained on the catalog's examples only.
+  trained on the catalog's examples only;
+* a set's ``blind_reader*.jsonl`` (``blind_reader.jsonl`` for a plain folder,
+  ``blind_reader.<set>.jsonl`` in a corpus of sets) holds the family an
+  engineer named from each fault line's text alone, without the thread it came
+  from (or ``null``: cannot tell). ``blind_reader`` compares that reader with
+  the set's labels (which the gatherers gave knowing the thread) and the
+  classifier with the reader: how much of a set a line's text can answer at
+  all, and how much of that the classifier does.
 """
 
 from __future__ import annotations
@@ -35,7 +42,13 @@ from graph.errors import InputError
 from ingest.classify import LineResult, Normalizer
 from ingest.corpus import BASE_SET, CORPUS_DIR, corpus_sets, training_label
 
-__all__ = ["evaluate_corpus", "score_lines", "DEFAULT_CRASHLOGS"]
+__all__ = [
+    "DEFAULT_CRASHLOGS",
+    "blind_reader_figures",
+    "blind_reader_labels",
+    "evaluate_corpus",
+    "score_lines",
+]
 
 DEFAULT_CRASHLOGS = Path("tests/fixtures/real/crashlogs")
 
@@ -101,12 +114,70 @@ def score_lines(
     }
 
 
+def blind_reader_labels(folder: str | Path) -> dict[str, dict[str, tuple[str | None, str]]]:
+    """set name -> {line text: (family or None, "high" | "low")} from a corpus
+    folder's ``blind_reader*.jsonl`` files (none: empty)."""
+    out: dict[str, dict[str, tuple[str | None, str]]] = {}
+    for path in sorted(Path(folder).glob("blind_reader*.jsonl")):
+        name = path.name.removeprefix("blind_reader").removesuffix(".jsonl").lstrip(".")
+        rows = out.setdefault(name or BASE_SET, {})
+        for x in path.read_text(encoding="utf-8").splitlines():
+            if x.strip():
+                r = json.loads(x)
+                rows[r["text"]] = (r.get("family"), str(r.get("confidence", "low")))
+    return out
+
+
+def blind_reader_figures(
+    errors: list[dict[str, Any]],
+    got: list[LineResult],
+    reader: dict[str, tuple[str | None, str]],
+) -> dict[str, Any] | None:
+    """The blind reader against the labels, and the classifier against the
+    reader, over the fault lines the reader labelled (None if none)."""
+    rows = [
+        (e, g, reader[e["text"]]) for e, g in zip(errors, got, strict=True) if e["text"] in reader
+    ]
+    if not rows:
+        return None
+    n = len(rows)
+    said = [(e, g, fam, conf) for e, g, (fam, conf) in rows if fam is not None]
+    agree = sum(fam == e["family"] for e, _, fam, _ in said)
+    high = [(e, fam) for e, _, fam, conf in said if conf == "high"]
+    joint: Counter = Counter()
+    for e, g, (fam, _) in rows:
+        r = "right" if fam == e["family"] else ("unknown" if fam is None else "wrong")
+        c = "right" if g.family == e["family"] else ("unknown" if g.family is None else "wrong")
+        joint[f"reader_{r}_classifier_{c}"] += 1
+    return {
+        "lines": n,
+        "reader_agreement": round(agree / n, 4),
+        "reader_unknown": n - len(said),
+        "reader_precision_when_answered": round(agree / len(said), 4) if said else None,
+        "reader_high_confidence_lines": len(high),
+        "reader_high_confidence_agreement": (
+            round(sum(f == e["family"] for e, f in high) / len(high), 4) if high else None
+        ),
+        "classifier_accuracy": round(sum(g.family == e["family"] for e, g, _ in rows) / n, 4),
+        "classifier_accuracy_where_reader_right": (
+            round(
+                joint["reader_right_classifier_right"]
+                / max(1, sum(v for k, v in joint.items() if k.startswith("reader_right"))),
+                4,
+            )
+        ),
+        "joint": dict(sorted(joint.items())),
+    }
+
+
 def _flagged(norm: Normalizer, benign: list[str]) -> list[tuple[str, str]]:
     return [(b, r.code) for b, r in zip(benign, norm.classify(benign), strict=True) if r.code]
 
 
 def _leave_one_set_out(
-    shipped: Normalizer, sets: dict[str, tuple[list[dict[str, Any]], list[str]]]
+    shipped: Normalizer,
+    sets: dict[str, tuple[list[dict[str, Any]], list[str]]],
+    readers: dict[str, dict[str, tuple[str | None, str]]] | None = None,
 ) -> dict[str, Any]:
     """Train without each set but the base one in turn and score it; the pooled
     figures are over all the left-out lines."""
@@ -127,6 +198,8 @@ def _leave_one_set_out(
         got = norm.classify([e["text"] for e in errors])
         flagged = _flagged(norm, benign)
         per_set[name] = score_lines(shipped.catalog, errors, got, benign, flagged)
+        if readers and name in readers:
+            per_set[name]["blind_reader"] = blind_reader_figures(errors, got, readers[name])
         for acc, part in zip(pooled, (errors, got, benign, flagged), strict=True):
             acc.extend(part)
     if not per_set:
@@ -195,6 +268,11 @@ def evaluate_corpus(
             x.strip() in trained for x in [e["text"] for e in errors] + benign
         )
     scored = score_lines(catalog, errors, got, benign, flagged)
+    readers = blind_reader_labels(corpus)
+    if folds == 0 and readers:  # a held-out folder: every reader file is about it
+        reader = {t: v for r in readers.values() for t, v in r.items()}
+        if fig := blind_reader_figures(errors, got, reader):
+            scored["blind_reader"] = fig
     misses = scored.pop("misses")
     flagged_benign = scored.pop("flagged_benign")
     out.update(scored)
@@ -205,7 +283,7 @@ def evaluate_corpus(
         errors, got, lambda e: str(e.get("round", "1-2") if "set" not in e else e["set"])
     )
     if folds >= 2 and by_set and len(sets) > 1:
-        loso = _leave_one_set_out(shipped, sets)
+        loso = _leave_one_set_out(shipped, sets, readers)
         out["leave_one_set_out"] = {
             name: {
                 k: v[k]
@@ -222,6 +300,9 @@ def evaluate_corpus(
             }
             for name, v in loso.items()
         }
+        reader_sets = {n: v["blind_reader"] for n, v in loso.items() if v.get("blind_reader")}
+        if reader_sets:
+            out["leave_one_set_out_blind_reader"] = reader_sets
         out["leave_one_set_out_misses"] = [
             m for name, v in loso.items() if name != "pooled" for m in v["misses"]
         ]

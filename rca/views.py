@@ -327,6 +327,7 @@ _EVIDENCE_COLS = [
     "gpu_index",
     "kv_block",
     "xid",
+    "raised_at",
     "message",
     "gpu_uuid",
     "host",
@@ -335,14 +336,27 @@ _EVIDENCE_COLS = [
 ]
 
 
+def _raised_at(attrs: Any) -> str | None:
+    """A log record's exception frame (``attrs.traceback.raised_at``), if any."""
+    if not attrs:
+        return None
+    try:
+        tb = json.loads(attrs).get("traceback") if isinstance(attrs, str) else None
+    except (ValueError, AttributeError):
+        return None
+    return tb.get("raised_at") if isinstance(tb, dict) else None
+
+
 def evidence_frame(store: Store, diag: Diagnosis, *, rank: int = 1) -> pd.DataFrame:
     """The evidence rows of cause ``rank`` (full records, time order): ``time, source,
-    code, layer, gpu_index, kv_block, xid, message, gpu_uuid, host, trace_id, event_id``."""
+    code, layer, gpu_index, kv_block, xid, raised_at, message, gpu_uuid, host,
+    trace_id, event_id`` (``raised_at``: the frame that raised a log exception)."""
     cause = next((c for c in diag.causes if c.rank == rank), None)
     ids = list(cause.evidence) if cause else []
     with store.read() as con:
         df = _frame(queries.fetch_events(con, ids))
     _add_time(df, "ts", "time")
+    df["raised_at"] = [_raised_at(a) for a in df["attrs"]]
     return df[_EVIDENCE_COLS].reset_index(drop=True)
 
 

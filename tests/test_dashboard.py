@@ -127,6 +127,12 @@ def test_trace_views_show_chain_evidence_spans_and_cli(demo_db: Path) -> None:
     ev = views.evidence_frame(store, diag)
     assert {"GPU_XID_48", "KV_BLOCK_HASH_MISMATCH", "LOGITS_NAN"} <= set(ev["code"])
     assert 17 in set(ev["kv_block"].dropna().astype(int))  # the corrupted block
+    # a log exception's evidence row says which frame raised it
+    ecc = diagnose_trace("f59dae616a6ceac9f548385c3f004b69", store=store)
+    raised = views.evidence_frame(store, ecc).set_index("code")["raised_at"].dropna()
+    assert "vllm/model_executor/layers/sampler.py:309 in forward" in set(
+        raised.loc[["CUDA_ERROR_ECC_UNCORRECTABLE"]]
+    )
     spans = views.span_frame(store, KV_TRACE)
     assert list(spans["depth"]) == [0, 1] and set(spans["status"]) == {"ERROR"}
     dot = views.chain_dot(diag)

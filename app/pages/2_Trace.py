@@ -79,6 +79,8 @@ else:
         key="trace_rank",
     )
     ev = views.evidence_frame(_ui.store(), diag, rank=rank)
+    if ev["raised_at"].isna().all():  # no log exception among them
+        ev = ev.drop(columns="raised_at")
     st.markdown(f"**Evidence rows** ({len(ev)})")
     st.dataframe(
         ev,
@@ -87,6 +89,7 @@ else:
         column_config={
             "time": st.column_config.DatetimeColumn("time (UTC)", format="HH:mm:ss.SSS"),
             "message": st.column_config.TextColumn(width="large"),
+            "raised_at": st.column_config.TextColumn("raised at", width="medium"),
         },
     )
 

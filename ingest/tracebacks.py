@@ -10,15 +10,18 @@ occurred:``. In a chain the first exception printed is the deepest cause.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ExceptionInfo",
     "Traceback",
     "find_tracebacks",
     "frame_location",
+    "raised_at",
     "strip_prefix",
 ]
 
@@ -126,6 +129,19 @@ def frame_location(path: str, line: str, func: str | None) -> str:
     if short == path:  # not an installed package: no home folder, the last three parts
         short = "/".join(_HOME.sub("", path).replace("\\", "/").split("/")[-3:])
     return f"{short}:{line}" + (f" in {func}" if func else "")
+
+
+def raised_at(attrs: str | dict[str, Any] | None) -> str | None:
+    """A log record's exception frame (``attrs.traceback.raised_at``) from its
+    attrs, a dict or the stored JSON text; None when it has none."""
+    if isinstance(attrs, str):
+        try:
+            attrs = json.loads(attrs)
+        except ValueError:
+            return None
+    tb = attrs.get("traceback") if isinstance(attrs, dict) else None
+    where = tb.get("raised_at") if isinstance(tb, dict) else None
+    return where if isinstance(where, str) else None
 
 
 def _parse_chain(lines: Sequence[str], i: int, tb: Traceback) -> int:

@@ -18,6 +18,7 @@ from graph.topology import default_topology
 from ingest.classify import Normalizer
 from ingest.pipeline import ingest_paths
 from ingest.store import Store
+from ingest.tracebacks import raised_at
 from rca.engine import Diagnosis, Evidence, Scope, rank_root_causes, sm_rule_edges
 
 __all__ = ["diagnose_paths", "traceback_edges"]
@@ -107,11 +108,7 @@ def diagnose_paths(
             "message": r.message,
             "file": (r.attrs or {}).get("file"),
             "line": (r.attrs or {}).get("line"),
-            **(
-                {"raised_at": raised}
-                if (raised := ((r.attrs or {}).get("traceback") or {}).get("raised_at"))
-                else {}
-            ),
+            **({"raised_at": where} if (where := raised_at(r.attrs)) else {}),
         }
         for r in records
         if r.event_id in used

@@ -24,6 +24,7 @@ from graph.errors import NotFoundError
 from ingest import queries
 from ingest.paths import default_db_path, rca_home
 from ingest.store import Store
+from ingest.tracebacks import raised_at
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -336,17 +337,6 @@ _EVIDENCE_COLS = [
 ]
 
 
-def _raised_at(attrs: Any) -> str | None:
-    """A log record's exception frame (``attrs.traceback.raised_at``), if any."""
-    if not attrs:
-        return None
-    try:
-        tb = json.loads(attrs).get("traceback") if isinstance(attrs, str) else None
-    except (ValueError, AttributeError):
-        return None
-    return tb.get("raised_at") if isinstance(tb, dict) else None
-
-
 def evidence_frame(store: Store, diag: Diagnosis, *, rank: int = 1) -> pd.DataFrame:
     """The evidence rows of cause ``rank`` (full records, time order): ``time, source,
     code, layer, gpu_index, kv_block, xid, raised_at, message, gpu_uuid, host,
@@ -356,7 +346,7 @@ def evidence_frame(store: Store, diag: Diagnosis, *, rank: int = 1) -> pd.DataFr
     with store.read() as con:
         df = _frame(queries.fetch_events(con, ids))
     _add_time(df, "ts", "time")
-    df["raised_at"] = [_raised_at(a) for a in df["attrs"]]
+    df["raised_at"] = [raised_at(a) for a in df["attrs"]]
     return df[_EVIDENCE_COLS].reset_index(drop=True)
 
 

@@ -261,10 +261,21 @@ def evidence_from_rows(rows: Iterable[dict[str, Any]], scope: str) -> list[Evide
     ]
 
 
-def _pick_symptom(evidence: list[Evidence], catalog: Catalog) -> str | None:
-    """Without spans: the highest-layer, most severe, latest trace-scoped code."""
+def _pick_symptom(
+    evidence: list[Evidence], catalog: Catalog, g: nx.DiGraph | None = None
+) -> str | None:
+    """Without spans: the end of the observed chain. Among the observed codes
+    that explain no other observed code (the topology, with any observed
+    causation added, reaches none of them), the highest-layer, most severe,
+    latest trace-scoped one. A layer-6 load-time error (FlashAttention on an
+    old GPU) that stopped a TGI shard (layer 5) is the cause, not the symptom."""
+    observed = {e.code for e in evidence}
+    explains = set()
+    if g is not None:
+        explains = {c for c in observed if c in g and descendants(g, c) & (observed - {c})}
+    ends = [e for e in evidence if e.code not in explains] or evidence
     best = None
-    for ev in evidence:
+    for ev in ends:
         code = catalog.get(ev.code)
         if code is None:
             continue
@@ -309,7 +320,7 @@ def rank_root_causes(
             if not g.has_edge(u, v) or g.edges[u, v][STRENGTH] < p:
                 g.add_edge(u, v, **{STRENGTH: p, COST: -math.log(p)})
     if symptom is None:
-        symptom = _pick_symptom(evidence, catalog)
+        symptom = _pick_symptom(evidence, catalog, g)
     if symptom is None:
         return None, []
     if unconnected:

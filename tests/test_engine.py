@@ -93,6 +93,25 @@ def test_without_spans_the_symptom_is_the_highest_trace_code(g, mini_catalog) ->
     assert causes[0].code == "TORCH_CUDA_OOM"
 
 
+def test_without_spans_the_symptom_is_the_end_of_the_observed_chain() -> None:
+    """A higher layer is not a later effect: FlashAttention refused on an old GPU
+    (layer 6, at load time) stops a TGI shard (layer 5). The symptom is the code
+    that explains no other observed code, whatever its layer."""
+    from graph.catalog import default_catalog
+    from graph.topology import default_topology
+
+    cat, topo = default_catalog(), default_topology()
+    assert cat["FLASH_ATTN_UNSUPPORTED_GPU"].layer > cat["TGI_SHARD_FAILED"].layer
+    evidence = [ev("FLASH_ATTN_UNSUPPORTED_GPU", 1.0), ev("TGI_SHARD_FAILED", 2.0)]
+    symptom, causes = rank_root_causes(topo, evidence, catalog=cat, unconnected=True)
+    assert symptom == "TGI_SHARD_FAILED"
+    assert causes[0].code == "FLASH_ATTN_UNSUPPORTED_GPU"
+    assert causes[0].chain == ["FLASH_ATTN_UNSUPPORTED_GPU", "TGI_SHARD_FAILED"]
+    # with no known causation between them, the highest layer is still the symptom
+    other = [ev("FLASH_ATTN_UNSUPPORTED_GPU", 1.0), ev("GPU_XID_79", 2.0)]
+    assert rank_root_causes(topo, other, catalog=cat)[0] == "FLASH_ATTN_UNSUPPORTED_GPU"
+
+
 def test_symptom_itself_when_nothing_explains_it(g, mini_catalog) -> None:
     symptom, causes = rank_root_causes(g, [ev("HTTP_504", 1.0)], catalog=mini_catalog)
     assert symptom == "HTTP_504"

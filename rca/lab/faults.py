@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import random
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,15 +169,6 @@ def _flip_to_nonfinite(t: Any, block: int, layer: int, rng: random.Random) -> in
     words |= 0x7F800000
     flat[start : start + n] = words.view(torch.float32)
     return n
-
-
-def _flip_one_bit(t: Any, block: int, layer: int, rng: random.Random) -> None:
-    """A single-bit flip (mantissa): the value changes, nothing becomes non-finite."""
-    blk = t[layer, block].view(-1)
-    i = rng.randrange(blk.numel())
-    (v,) = struct.unpack("<I", struct.pack("<f", float(blk[i])))
-    v ^= 1 << rng.randrange(0, 20)
-    (blk[i],) = struct.unpack("<f", struct.pack("<I", v))
 
 
 def _raise_cuda(msg: str) -> None:

@@ -248,6 +248,25 @@ def test_blind_reader_figures_compare_the_reader_with_labels_and_the_classifier(
     assert blind_reader_figures(errors, got, {}) is None
 
 
+def test_a_broken_corpus_folder_is_one_clear_error(tmp_path: Path) -> None:
+    from graph.errors import InputError
+
+    with pytest.raises(InputError, match="not a corpus folder"):
+        evaluate_corpus(tmp_path, None, folds=0)
+    (tmp_path / "benign_lines.txt").write_text("INFO ok\n")
+    (tmp_path / "error_lines.jsonl").write_text('{"text": "x", "family": "gpu_oom"}\n')
+    with pytest.raises(InputError, match="fault line 1 needs string fields"):
+        evaluate_corpus(tmp_path, None, folds=0)
+    line = '{"text": "x", "family": "gpu_oom", "project": "p"}\n'
+    (tmp_path / "error_lines.jsonl").write_text(line)
+    (tmp_path / "blind_reader.jsonl").write_text('{"text": "x"\n')
+    with pytest.raises(InputError, match=r"blind_reader.jsonl:1: not a blind reader row"):
+        evaluate_corpus(tmp_path, None, folds=0)
+    (tmp_path / "error_lines.jsonl").write_text("not json\n")
+    with pytest.raises(InputError, match="not one JSON object per line"):
+        evaluate_corpus(tmp_path, None, folds=0)
+
+
 # --- Cached fallback model ------------------------------------------------
 _CACHE_SCRIPT = """
 import json, sys

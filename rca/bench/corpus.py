@@ -121,10 +121,16 @@ def blind_reader_labels(folder: str | Path) -> dict[str, dict[str, tuple[str | N
     for path in sorted(Path(folder).glob("blind_reader*.jsonl")):
         name = path.name.removeprefix("blind_reader").removesuffix(".jsonl").lstrip(".")
         rows = out.setdefault(name or BASE_SET, {})
-        for x in path.read_text(encoding="utf-8").splitlines():
+        for n, x in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if x.strip():
-                r = json.loads(x)
-                rows[r["text"]] = (r.get("family"), str(r.get("confidence", "low")))
+                try:
+                    r = json.loads(x)
+                    rows[str(r["text"])] = (r.get("family"), str(r.get("confidence", "low")))
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    raise InputError(
+                        f'{path}:{n}: not a blind reader row ({{"text", "family", '
+                        f'"confidence"}}): {exc}'
+                    ) from exc
     return out
 
 
@@ -228,8 +234,18 @@ def evaluate_corpus(
         sets = corpus_sets(corpus)
     except FileNotFoundError as exc:
         raise InputError(f"{corpus}: not a corpus folder ({exc.filename} missing)") from exc
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InputError(
+            f"{corpus}: error_lines.jsonl is not one JSON object per line: {exc}"
+        ) from exc
     errors = [e for errs, _ in sets.values() for e in errs]
     benign = [b for _, ben in sets.values() for b in ben]
+    for i, e in enumerate(errors, 1):
+        if not all(isinstance(e.get(k), str) for k in ("text", "family", "project")):
+            raise InputError(
+                f"{corpus}: fault line {i} needs string fields text, family and project: "
+                f"{str(e)[:120]}"
+            )
     catalog = default_catalog()
     rng = random.Random(seed)
     e_fold = [i % max(folds, 1) for i in range(len(errors))]

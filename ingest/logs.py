@@ -302,7 +302,8 @@ def _parse_batch(
             "p": round(p, 3),
         }
         if idx in tb_of:  # where it was raised: the first thing one reads
-            unnamed["raised_at"] = _raised_at(tb_of[idx])
+            tb, pos = tb_of[idx]
+            unnamed["raised_at"] = tb.exceptions[pos].raised_at
         res.unclassified_lines.append(unnamed)
     ts_cache: dict[int, int | None] = {}
     last_ts_in_batch = st.last_ts
@@ -352,7 +353,7 @@ def _parse_batch(
                 "of": len(tb.exceptions),
                 "chain": [e.type for e in tb.exceptions],
             }
-            if raised := _raised_at(tb_of[idx]):
+            if raised := tb.exceptions[pos].raised_at:
                 attrs["traceback"]["raised_at"] = raised
         clean = redact(text)
         xid = fields.get("xid")
@@ -392,12 +393,6 @@ def _parse_batch(
                 rec.gpu_uuid = st.gpu_map[key]
     res.gpu_map = dict(st.gpu_map)
     return res
-
-
-def _raised_at(where: tuple[Traceback, int]) -> str | None:
-    """The innermost frame of the exception (``vllm/lora/models.py:123 in f``)."""
-    tb, pos = where
-    return tb.exceptions[pos].raised_at
 
 
 def _timestamp_for(

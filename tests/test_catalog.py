@@ -433,8 +433,11 @@ def test_the_fallback_does_not_guess_the_family_of_an_attribute_error() -> None:
     from ingest.classify import default_normalizer
 
     norm = default_normalizer()
-    line = "AttributeError: 'MedusaHead' object has no attribute 'draft_tokens'"
+    line = "AttributeError: 'MedusaHead' object has no attribute 'tree_indices'"
     assert norm.classify_line(line).code is None
+    # a draft model's attribute is a speculative-decoding pattern (round 9)
+    draft = "AttributeError: 'MedusaHead' object has no attribute 'draft_tokens'"
+    assert norm.classify_line(draft).family == "speculative_decoding"
     lorax = "Server error: 'BLOOMSharded' object has no attribute 'load_adapter'"
     assert norm.classify_line(lorax).family == "lora_adapter"
 

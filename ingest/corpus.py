@@ -18,7 +18,9 @@ __all__ = [
     "TRACEBACK_BOILERPLATE",
     "CORPUS_DIR",
     "BASE_SET",
+    "LEXICON_PATH",
     "corpus_sets",
+    "family_lexicon",
     "real_corpus",
     "training_corpus",
     "training_label",
@@ -26,6 +28,26 @@ __all__ = [
 
 #: Real lines gathered from public issue threads and source (see SOURCES.md there).
 CORPUS_DIR = Path(__file__).with_name("data") / "corpus"
+#: Phrases each fault family's lines typically say (family-model training text).
+LEXICON_PATH = Path(__file__).with_name("data") / "family_lexicon.toml"
+
+
+def family_lexicon(path: str | Path = LEXICON_PATH) -> list[tuple[str, str]]:
+    """(phrase, family) pairs of the family lexicon, in file order: knowledge
+    the family model learns from, never counted as corpus lines. A family the
+    catalog does not know is an error (a typo would silently teach nothing)."""
+    import tomllib
+
+    from graph.catalog import FAMILIES
+
+    data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    out: list[tuple[str, str]] = []
+    for fam, table in data.items():
+        if fam not in FAMILIES:
+            raise ValueError(f"{path}: [{fam}] is not a fault family")
+        out += [(str(p), fam) for p in table.get("phrases", [])]
+    return out
+
 
 BENIGN_TEMPLATES: tuple[str, ...] = (
     "INFO {md} {hms} metrics.py:351] Avg prompt throughput: {f1} tokens/s, Avg generation "

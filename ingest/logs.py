@@ -398,7 +398,11 @@ def _parse_batch(
 def _timestamp_for(
     idx: int, texts: list[str], st: _LogState, cache: dict[int, int | None], limit: int = 2000
 ) -> tuple[int | None, str | None, bool]:
-    """The line's own timestamp, else the nearest one above (continuation lines)."""
+    """The line's own timestamp, else the nearest one above (continuation
+    lines), else - a file that starts without one, as a pasted crash log's
+    traceback often does - just before the nearest one below, so the file's
+    order holds (inferred). Before round 10 such a line took the time of
+    ingest and came after everything the file went on to say."""
     own, host = parse_timestamp(texts[idx], st.year, not_after_ns=st.base_ns)
     if own is not None:
         return own, host, False
@@ -414,6 +418,14 @@ def _timestamp_for(
         j -= 1
     if st.last_ts is not None:
         return st.last_ts, None, False
+    for j in range(idx + 1, min(len(texts), idx + limit + 1)):
+        if j in cache:
+            t = cache[j]
+        else:
+            t, _ = parse_timestamp(texts[j], st.year, not_after_ns=st.base_ns)
+            cache[j] = t
+        if t is not None:
+            return t - (j - idx) * 1000, None, True
     return None, None, True
 
 

@@ -518,7 +518,10 @@ def bench_corpus(
     folds: Annotated[
         int, typer.Option(help="Cross-validation folds; 0 scores a held-out corpus as shipped.")
     ] = 5,
-    threshold: Annotated[float, typer.Option(help="Fallback confidence threshold.")] = 0.65,
+    threshold: Annotated[
+        float | None,
+        typer.Option(help="Fallback confidence threshold (default: the classifier's, 0.55)."),
+    ] = None,
     as_json: JsonOpt = False,
     show_misses: Annotated[bool, typer.Option(help="List the lines it got wrong.")] = False,
 ) -> None:

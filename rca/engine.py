@@ -268,7 +268,9 @@ def _pick_symptom(
     that explain no other observed code (the topology, with any observed
     causation added, reaches none of them), the highest-layer, most severe,
     latest trace-scoped one. A layer-6 load-time error (FlashAttention on an
-    old GPU) that stopped a TGI shard (layer 5) is the cause, not the symptom."""
+    old GPU) that stopped a TGI shard (layer 5) is the cause, not the symptom.
+    Between ends of one layer, a line a pattern names (confidence 1) goes
+    before the learned fallback's guess about a later line."""
     observed = {e.code for e in evidence}
     explains = set()
     if g is not None:
@@ -282,6 +284,7 @@ def _pick_symptom(
         key = (
             ev.scope in (Scope.TRACE, Scope.REQUEST),
             code.layer,
+            ev.confidence >= 1.0,
             SEVERITY_RANK.get(Severity(code.severity), 0),
             ev.ts,
         )
@@ -323,15 +326,6 @@ def rank_root_causes(
         symptom = _pick_symptom(evidence, catalog, g)
     if symptom is None:
         return None, []
-    if unconnected:
-        # a postmortem ranks every observed code: one with no known path to the
-        # symptom gets a weak, explicitly inferred link
-        effects = descendants(g, symptom)  # what the symptom itself explains
-        for code in {e.code for e in evidence} - {symptom} - effects:
-            if code.startswith("HTTP_"):  # another response's status is a symptom, not a cause
-                continue
-            if code in g and symptom in g and not nx.has_path(g, code, symptom):
-                g.add_edge(code, symptom, **{STRENGTH: WEAK_LINK, COST: -math.log(WEAK_LINK)})
     by_code: dict[str, list[Evidence]] = defaultdict(list)
     for ev in evidence:
         by_code[ev.code].append(ev)
@@ -339,6 +333,23 @@ def rank_root_causes(
     t_sym = symptom_ts or max((e.ts for e in by_code.get(symptom, [])), default=None)
     if t_sym is None:
         t_sym = max((e.ts for e in evidence), default=0)
+    if unconnected:
+        # a postmortem ranks every observed code: one with no known path to the
+        # symptom gets a weak, explicitly inferred link - unless it was first
+        # seen after the symptom (what came later cannot have caused it) or
+        # only the learned fallback's guess names it (an invented link needs a
+        # line a pattern named: a guess at "main process disappeared!" after a
+        # weights load failure took the cause's place, round 10)
+        effects = descendants(g, symptom)  # what the symptom itself explains
+        for code in observed - {symptom} - effects:
+            if code.startswith("HTTP_"):  # another response's status is a symptom, not a cause
+                continue
+            if min(e.ts for e in by_code[code]) > t_sym + CLOCK_SKEW_NS:
+                continue
+            if max(e.confidence for e in by_code[code]) < 1.0:
+                continue
+            if code in g and symptom in g and not nx.has_path(g, code, symptom):
+                g.add_edge(code, symptom, **{STRENGTH: WEAK_LINK, COST: -math.log(WEAK_LINK)})
     sym_anc = ancestors(g, symptom)
     relevant = (observed & sym_anc) - {symptom}
     candidates = sorted(relevant)

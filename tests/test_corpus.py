@@ -27,8 +27,18 @@ from rca.bench.corpus import evaluate_corpus
 REAL = Path(__file__).with_name("fixtures") / "real"
 CRASHLOGS = REAL / "crashlogs"
 #: Sets moved into the training corpus once scored (round 4; holdout4 and
-#: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9).
-FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3", "holdout4", "holdout5", "holdout6", "holdout7")
+#: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9; holdout8 in
+#: round 10).
+FORMER_HOLDOUTS = (
+    "dev",
+    "holdout2",
+    "holdout3",
+    "holdout4",
+    "holdout5",
+    "holdout6",
+    "holdout7",
+    "holdout8",
+)
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
 #: out: dev 0.972, holdout2 0.876-0.889, holdout3 0.848-0.852, pooled
@@ -61,6 +71,12 @@ FORMER_HOLDOUTS = ("dev", "holdout2", "holdout3", "holdout4", "holdout5", "holdo
 #: set out dev 0.972, holdout2 0.911, holdout3 0.885, holdout4 0.941, holdout5
 #: 0.919, holdout6 0.936, holdout7 0.921 (optimistic: studied), pooled 0.925
 #: at precision 0.979.
+#: Round 10 (holdout8 moved in, patterns from its misses, the family lexicon,
+#: threshold 0.55; 1,987 fault lines, 3,174 ordinary): 5-fold 0.931 at
+#: precision 0.979, 6/3,174 flagged; leave one set out dev 0.967, holdout2
+#: 0.911, holdout3 0.893, holdout4 0.945, holdout5 0.938, holdout6 0.953,
+#: holdout7 0.932, holdout8 0.914 (optimistic: studied), pooled 0.930 at
+#: precision 0.977.
 KFOLD_MIN = 0.88
 LOSO_MIN = {
     "dev": 0.94,
@@ -70,6 +86,7 @@ LOSO_MIN = {
     "holdout5": 0.89,
     "holdout6": 0.91,
     "holdout7": 0.89,
+    "holdout8": 0.88,
 }
 
 
@@ -204,10 +221,18 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # none ran the classifier; the first set above the issue's 150 lines): round
 # 8's classifier: family 0.660, precision 0.953, 0/298 flagged; round 9 (which
 # never saw it): 0.649, 0.945, 0/298. A blind reader of its lines: 0.951.
+# Round 10, after studying its misses (optimistic): 0.914 leave one set out.
+# Moved into the corpus in round 10.
+#
+# holdout9 (197 fault lines, 77 projects, 350 ordinary lines; four more
+# gatherers, none ran the classifier): round 8's classifier: family 0.675,
+# precision 0.899, 0/350 flagged; round 9 (which never saw it): 0.675, 0.893,
+# 0/350; round 10 (which never saw it: the family lexicon, threshold 0.55):
+# 0.721, 0.899, 0/350. A blind reader of its lines: 0.944.
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout8": {
-        "family_accuracy": 0.62,
-        "precision_when_answered": 0.92,
+    "holdout9": {
+        "family_accuracy": 0.69,
+        "precision_when_answered": 0.87,
         "benign_flagged_share": 0.02,
     },
 }
@@ -309,6 +334,32 @@ def _fresh_process(home: Path, *extra: str) -> dict:
     done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_family_lexicon_teaches_families_not_faults(tmp_path: Path) -> None:
+    """The lexicon (phrases each family's lines say) is family-model training
+    text: it covers every family, a family the catalog does not know is an
+    error, it is part of the cached model's key, and the fault-vs-ordinary gate
+    does not learn from it, so an ordinary line full of its words is not a
+    fault."""
+    from ingest.classify import default_normalizer, training_key
+    from ingest.corpus import family_lexicon
+
+    lex = family_lexicon()
+    assert {f for _, f in lex} == set(FAMILIES) and len(lex) >= 22 * 40
+    bad = tmp_path / "lexicon.toml"
+    bad.write_text('[gpu_hardwre]\nphrases = ["ECC"]\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="gpu_hardwre"):
+        family_lexicon(bad)
+    cat = default_catalog()
+    assert training_key(cat, ["x"], ["__none__"], lex) != training_key(
+        cat, ["x"], ["__none__"], lex[:-1]
+    )
+    ordinary = (
+        "INFO 11-30 10:00:00 [config.py:100] tokenizer_mode=auto, dtype=bfloat16, "
+        "chat_template=None, speculative_config=None, enable_lora=False, preemption_mode=None"
+    )
+    assert default_normalizer().classify_line(ordinary).code is None
 
 
 def test_fallback_is_cached_on_disk_and_rebuilt_when_its_inputs_change(tmp_path: Path) -> None:

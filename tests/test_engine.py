@@ -112,6 +112,35 @@ def test_without_spans_the_symptom_is_the_end_of_the_observed_chain() -> None:
     assert rank_root_causes(topo, other, catalog=cat)[0] == "FLASH_ATTN_UNSUPPORTED_GPU"
 
 
+def test_a_postmortem_links_no_guess_and_nothing_later_to_the_symptom() -> None:
+    """With no known path, a postmortem links an observed code weakly to the
+    symptom - but not a code only the learned fallback guessed (a guess at a
+    worker's "main process disappeared!" took a weights load failure's place,
+    round 10), and not one first seen after the symptom."""
+    import dataclasses
+
+    from graph.catalog import default_catalog
+    from graph.topology import default_topology
+
+    cat, topo = default_catalog(), default_topology()
+    load, worker = "MODEL_WEIGHTS_LOAD_FAILED", "DIST_WORKER_GROUP_FAILED"
+    assert cat[load].layer == cat[worker].layer
+    guess = dataclasses.replace(ev(worker, 1.0), confidence=0.62)
+    symptom, causes = rank_root_causes(topo, [ev(load, 1.0), guess], catalog=cat, unconnected=True)
+    assert symptom == load  # a pattern's line before a guess of the same layer
+    assert [c.code for c in causes] == [load]
+    # named by a pattern and seen first, the other code is linked and ranked
+    _, causes = rank_root_causes(
+        topo, [ev(worker, 1.0), ev(load, 2.0)], catalog=cat, symptom=load, unconnected=True
+    )
+    assert causes[0].code == worker and causes[0].chain == [worker, load]
+    # seen a minute after the symptom, it is not
+    _, causes = rank_root_causes(
+        topo, [ev(load, 1.0), ev(worker, 61.0)], catalog=cat, symptom=load, unconnected=True
+    )
+    assert [c.code for c in causes] == [load]
+
+
 def test_symptom_itself_when_nothing_explains_it(g, mini_catalog) -> None:
     symptom, causes = rank_root_causes(g, [ev("HTTP_504", 1.0)], catalog=mini_catalog)
     assert symptom == "HTTP_504"

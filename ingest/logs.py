@@ -406,25 +406,19 @@ def _timestamp_for(
     own, host = parse_timestamp(texts[idx], st.year, not_after_ns=st.base_ns)
     if own is not None:
         return own, host, False
-    j = idx - 1
-    while j >= 0 and idx - j <= limit:
-        if j in cache:
-            t = cache[j]
-        else:
-            t, _ = parse_timestamp(texts[j], st.year, not_after_ns=st.base_ns)
-            cache[j] = t
-        if t is not None:
+
+    def stamp(j: int) -> int | None:
+        if j not in cache:
+            cache[j] = parse_timestamp(texts[j], st.year, not_after_ns=st.base_ns)[0]
+        return cache[j]
+
+    for j in range(idx - 1, max(-1, idx - limit - 1), -1):
+        if (t := stamp(j)) is not None:
             return t, None, False
-        j -= 1
     if st.last_ts is not None:
         return st.last_ts, None, False
     for j in range(idx + 1, min(len(texts), idx + limit + 1)):
-        if j in cache:
-            t = cache[j]
-        else:
-            t, _ = parse_timestamp(texts[j], st.year, not_after_ns=st.base_ns)
-            cache[j] = t
-        if t is not None:
+        if (t := stamp(j)) is not None:
             return t - (j - idx) * 1000, None, True
     return None, None, True
 

@@ -28,7 +28,7 @@ REAL = Path(__file__).with_name("fixtures") / "real"
 CRASHLOGS = REAL / "crashlogs"
 #: Sets moved into the training corpus once scored (round 4; holdout4 and
 #: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9; holdout8 in
-#: round 10; holdout9 in round 11).
+#: round 10; holdout9 in round 11; holdout10 in round 12).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -39,6 +39,7 @@ FORMER_HOLDOUTS = (
     "holdout7",
     "holdout8",
     "holdout9",
+    "holdout10",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -82,6 +83,10 @@ FORMER_HOLDOUTS = (
 #: 3,524 ordinary): 5-fold 0.922 at precision 0.978, 5/3,524 flagged; leave
 #: one set out holdout8 0.908, holdout9 0.863 (optimistic: studied), pooled
 #: 0.920 at precision 0.975.
+#: Round 12 (holdout10 moved in, patterns from its misses; 2,385 fault lines,
+#: 3,835 ordinary): 5-fold 0.924 at precision 0.976, 5/3,835 flagged; leave
+#: one set out holdout9 0.863, holdout10 0.915 (optimistic: studied), pooled
+#: 0.923 at precision 0.977.
 KFOLD_MIN = 0.88
 LOSO_MIN = {
     "dev": 0.94,
@@ -93,6 +98,7 @@ LOSO_MIN = {
     "holdout7": 0.89,
     "holdout8": 0.88,
     "holdout9": 0.83,
+    "holdout10": 0.88,
 }
 
 
@@ -241,11 +247,17 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # gatherers, none ran the classifier): round 8's classifier: family 0.706,
 # precision 0.966, 2/311 flagged; round 10 (which never saw it): 0.771, 0.951,
 # 0/311; round 11 (which never saw it): 0.786, 0.952, 0/311. A blind reader of
-# its lines: 0.975.
+# its lines: 0.975. Moved into the corpus in round 12.
+#
+# holdout11 (160 fault lines, 81 projects, 341 ordinary lines; four more
+# gatherers, none ran the classifier; public text nearly used up): round 8's
+# classifier: family 0.613, precision 0.867, 1/341 flagged; round 11 (which
+# never saw it): 0.781, 0.926, 1/341; round 12 (which never saw it): 0.788,
+# 0.933, 1/341. A blind reader of its lines: 0.913.
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout10": {
+    "holdout11": {
         "family_accuracy": 0.75,
-        "precision_when_answered": 0.92,
+        "precision_when_answered": 0.90,
         "benign_flagged_share": 0.02,
     },
 }

@@ -76,6 +76,7 @@ def diagnose_paths(
             severity=r.severity,
             message=r.message,
             source=r.source,
+            guess=(r.attrs or {}).get("method") == "model",
         )
         for r in records
     ]

@@ -82,6 +82,7 @@ class Evidence:
     source: str | None = None
     count: int = 1  # rows this item stands for (context is aggregated per code and scope)
     more_ids: tuple[str, ...] = ()  # further event ids of the same group
+    guess: bool = False  # named only by the learned fallback (a line no pattern knows)
 
 
 @dataclass(frozen=True)
@@ -269,8 +270,8 @@ def _pick_symptom(
     causation added, reaches none of them), the highest-layer, most severe,
     latest trace-scoped one. A layer-6 load-time error (FlashAttention on an
     old GPU) that stopped a TGI shard (layer 5) is the cause, not the symptom.
-    Between ends of one layer, a line a pattern names (confidence 1) goes
-    before the learned fallback's guess about a later line."""
+    Between ends of one layer, evidence a pattern or probe named goes before
+    the learned fallback's guess (``Evidence.guess``) about a later line."""
     observed = {e.code for e in evidence}
     explains = set()
     if g is not None:
@@ -284,7 +285,7 @@ def _pick_symptom(
         key = (
             ev.scope in (Scope.TRACE, Scope.REQUEST),
             code.layer,
-            ev.confidence >= 1.0,
+            not ev.guess,
             SEVERITY_RANK.get(Severity(code.severity), 0),
             ev.ts,
         )
@@ -346,7 +347,7 @@ def rank_root_causes(
                 continue
             if min(e.ts for e in by_code[code]) > t_sym + CLOCK_SKEW_NS:
                 continue
-            if max(e.confidence for e in by_code[code]) < 1.0:
+            if all(e.guess for e in by_code[code]):
                 continue
             if code in g and symptom in g and not nx.has_path(g, code, symptom):
                 g.add_edge(code, symptom, **{STRENGTH: WEAK_LINK, COST: -math.log(WEAK_LINK)})

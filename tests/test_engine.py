@@ -125,7 +125,7 @@ def test_a_postmortem_links_no_guess_and_nothing_later_to_the_symptom() -> None:
     cat, topo = default_catalog(), default_topology()
     load, worker = "MODEL_WEIGHTS_LOAD_FAILED", "DIST_WORKER_GROUP_FAILED"
     assert cat[load].layer == cat[worker].layer
-    guess = dataclasses.replace(ev(worker, 1.0), confidence=0.62)
+    guess = dataclasses.replace(ev(worker, 1.0), confidence=0.62, guess=True)
     symptom, causes = rank_root_causes(topo, [ev(load, 1.0), guess], catalog=cat, unconnected=True)
     assert symptom == load  # a pattern's line before a guess of the same layer
     assert [c.code for c in causes] == [load]

@@ -338,9 +338,9 @@ def rank_root_causes(
         # a postmortem ranks every observed code: one with no known path to the
         # symptom gets a weak, explicitly inferred link - unless it was first
         # seen after the symptom (what came later cannot have caused it) or
-        # only the learned fallback's guess names it (an invented link needs a
-        # line a pattern named: a guess at "main process disappeared!" after a
-        # weights load failure took the cause's place, round 10)
+        # only the learned fallback's guesses name it (an invented link needs
+        # evidence a pattern or probe named: a guess at "main process
+        # disappeared!" after a weights load failure took the cause's place)
         effects = descendants(g, symptom)  # what the symptom itself explains
         for code in observed - {symptom} - effects:
             if code.startswith("HTTP_"):  # another response's status is a symptom, not a cause

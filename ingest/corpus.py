@@ -19,9 +19,11 @@ __all__ = [
     "CORPUS_DIR",
     "BASE_SET",
     "LEXICON_PATH",
+    "SYNTHETIC_PATH",
     "corpus_sets",
     "family_lexicon",
     "real_corpus",
+    "synthetic_lines",
     "training_corpus",
     "training_label",
 ]
@@ -30,6 +32,8 @@ __all__ = [
 CORPUS_DIR = Path(__file__).with_name("data") / "corpus"
 #: Phrases each fault family's lines typically say (family-model training text).
 LEXICON_PATH = Path(__file__).with_name("data") / "family_lexicon.toml"
+#: Fault lines written from knowledge, not copied from a log (see synthetic_lines.md).
+SYNTHETIC_PATH = Path(__file__).with_name("data") / "synthetic_lines.jsonl"
 
 
 def family_lexicon(path: str | Path = LEXICON_PATH) -> list[tuple[str, str]]:
@@ -46,6 +50,30 @@ def family_lexicon(path: str | Path = LEXICON_PATH) -> list[tuple[str, str]]:
         if fam not in FAMILIES:
             raise ValueError(f"{path}: [{fam}] is not a fault family")
         out += [(str(p), fam) for p in table.get("phrases", [])]
+    return out
+
+
+def synthetic_lines(path: str | Path = SYNTHETIC_PATH) -> list[tuple[str, str]]:
+    """(text, label) pairs of the written fault lines, in file order: lines an
+    engineer (a language-model assistant acting as one) wrote from knowledge of
+    how each family's faults are printed, labelled with a catalog code or, when
+    none fits, the family. The fallback trains on them next to the catalog's
+    examples; no figure counts them as real lines. A family or code the catalog
+    does not know, or a code of another family, is an error."""
+    from graph.catalog import FAMILIES, default_catalog
+
+    catalog = default_catalog()
+    out: list[tuple[str, str]] = []
+    for n, x in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not x.strip():
+            continue
+        d = json.loads(x)
+        text, fam, code = d["text"], d["family"], d.get("code")
+        if fam not in FAMILIES:
+            raise ValueError(f"{path}:{n}: {fam!r} is not a fault family")
+        if code is not None and (code not in catalog or catalog[code].family != fam):
+            raise ValueError(f"{path}:{n}: {code!r} is not a catalog code of family {fam}")
+        out.append((str(text), str(code or fam)))
     return out
 
 

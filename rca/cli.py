@@ -524,12 +524,21 @@ def bench_corpus(
     ] = None,
     as_json: JsonOpt = False,
     show_misses: Annotated[bool, typer.Option(help="List the lines it got wrong.")] = False,
+    first_sight: Annotated[
+        bool,
+        typer.Option(
+            help="Also score each set as if never seen: without its lines, the catalog "
+            "examples that say what they say and the patterns written from them (~1 min)."
+        ),
+    ] = False,
 ) -> None:
     """Family accuracy, false alarms and postmortem answers on a real labelled corpus."""
     from ingest.corpus import CORPUS_DIR
     from rca.bench.corpus import evaluate_corpus
 
-    res = evaluate_corpus(corpus or CORPUS_DIR, crashlogs, folds=folds, threshold=threshold)
+    res = evaluate_corpus(
+        corpus or CORPUS_DIR, crashlogs, folds=folds, threshold=threshold, first_sight=first_sight
+    )
     _print_figures(
         res,
         as_json,
@@ -540,6 +549,7 @@ def bench_corpus(
             "crashlog_answers",
             "leave_one_set_out_misses",
             "leave_one_set_out_flagged",
+            "simulated_first_sight_misses",
         },
     )
     if as_json:
@@ -557,6 +567,10 @@ def bench_corpus(
             typer.echo(f"  left-out {m['set']} miss want={m['want']} got={m['got']}: {m['text']}")
         for m in res.get("leave_one_set_out_flagged", []):
             typer.echo(f"  left-out false alarm {m['code']}: {m['text']}")
+        for m in res.get("simulated_first_sight_misses", []):
+            typer.echo(
+                f"  first-sight {m['set']} miss want={m['want']} got={m['got']}: {m['text']}"
+            )
 
 
 @bench_app.command("probes")

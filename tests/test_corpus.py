@@ -40,6 +40,7 @@ FORMER_HOLDOUTS = (
     "holdout8",
     "holdout9",
     "holdout10",
+    "holdout11",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -87,6 +88,10 @@ FORMER_HOLDOUTS = (
 #: 3,835 ordinary): 5-fold 0.924 at precision 0.976, 5/3,835 flagged; leave
 #: one set out holdout9 0.863, holdout10 0.915 (optimistic: studied), pooled
 #: 0.923 at precision 0.977.
+#: Round 13 (holdout11 moved in, patterns from its misses, the written lines,
+#: a wider ERRORISH; 2,545 fault lines, 4,176 ordinary): 5-fold 0.925 at
+#: precision 0.977, 10/4,176 flagged; leave one set out holdout10 0.935,
+#: holdout11 0.881 (optimistic: studied), pooled 0.923 at precision 0.978.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out.
@@ -102,6 +107,7 @@ LOSO_MIN = {
     "holdout8": 0.88,
     "holdout9": 0.83,
     "holdout10": 0.88,
+    "holdout11": 0.85,
 }
 
 
@@ -255,10 +261,18 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # gatherers, none ran the classifier; public text nearly used up): round 8's
 # classifier: family 0.613, precision 0.867, 1/341 flagged; round 11 (which
 # never saw it): 0.781, 0.926, 1/341; round 12 (which never saw it): 0.788,
-# 0.933, 1/341. A blind reader of its lines: 0.913.
+# 0.933, 1/341. A blind reader of its lines: 0.913. Moved into the corpus in
+# round 13.
+#
+# holdout12 (204 fault lines, 77 projects, 343 ordinary lines; four more
+# gatherers, none ran the classifier; mostly less-used stacks: MLX servers,
+# OpenVINO, MLC, llama.cpp forks, client SDKs): round 12's classifier: family
+# 0.711, precision 0.948, 1/343 flagged; round 13 (which never saw it: the
+# written lines, the wider ERRORISH): 0.755, 0.939, 1/343. A blind reader of
+# its lines: 0.897.
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout11": {
-        "family_accuracy": 0.75,
+    "holdout12": {
+        "family_accuracy": 0.72,
         "precision_when_answered": 0.90,
         "benign_flagged_share": 0.02,
     },
@@ -389,6 +403,79 @@ def test_the_family_lexicon_teaches_families_not_faults(tmp_path: Path) -> None:
     assert default_normalizer().classify_line(ordinary).code is None
 
 
+def test_simulated_first_sight_drops_what_was_written_from_a_set(tmp_path: Path) -> None:
+    """Scored at simulated first sight, a set loses the catalog examples that
+    say what its lines say and the patterns left without an example: a line
+    that a pattern written from it answers in the shipped classifier is no
+    longer answered by that pattern."""
+    import json
+
+    from ingest.classify import default_normalizer
+
+    line = (
+        "Unrecognized keys in `rope_scaling` for 'rope_type'='yarn': "
+        "{'original_max_position_embeddings'}"
+    )
+    assert line in default_catalog()["ROPE_SCALING_CONFIG_INVALID"].examples
+    rows = [
+        {"text": t, "family": f, "code": c, "project": "p", "set": s}
+        for t, f, c, s in (
+            (line, "attention_position", "ROPE_SCALING_CONFIG_INVALID", "s1"),
+            ("RuntimeError: CUDA error: out of memory", "gpu_oom", None, "s2"),
+        )
+    ]
+    (tmp_path / "error_lines.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("", ".s1", ".s2"):
+        (tmp_path / f"benign_lines{name}.txt").write_text("INFO Started server process [1]\n")
+    res = evaluate_corpus(tmp_path, None, folds=2, first_sight=True, by_set=False)
+    fs = res["simulated_first_sight"]
+    assert set(fs) == {"pooled", "s1", "s2"} and fs["pooled"]["error_lines"] == 2
+    assert fs["s1"]["patterns_dropped"] >= 1 and fs["s1"]["examples_dropped"] >= 1
+    assert fs["s1"]["right_by_pattern"] == 0
+    shipped = default_normalizer().classify_line(line)
+    assert shipped.method == "pattern" and shipped.family == "attention_position"
+    assert all(m["set"] in ("s1", "s2") for m in res["simulated_first_sight_misses"])
+
+
+def test_written_lines_are_training_data_apart_from_every_real_line(tmp_path: Path) -> None:
+    """The written lines (fault lines an assistant wrote from knowledge) cover
+    every family with valid labels, a wrong label is an error, the fallback
+    trains on them, and none says what a real corpus or held-out line says (by
+    the text the model sees): no figure on real lines may count a line the
+    writer happened to remember."""
+    from ingest.classify import _strip_numbers, _training_set, model_text
+    from ingest.corpus import synthetic_lines
+
+    written = synthetic_lines()
+    catalog = default_catalog()
+    fams = {lab if lab in FAMILIES else catalog[lab].family for _, lab in written}
+    assert fams == set(FAMILIES) and len(written) >= 22 * 60
+    bad = tmp_path / "written.jsonl"
+    bad.write_text(
+        '{"text": "x", "family": "gpu_oom", "code": "GPU_XID_79", "project": "p"}\n',
+        encoding="utf-8",
+    )
+    with pytest.raises(ValueError, match="GPU_XID_79"):
+        synthetic_lines(bad)
+    texts, labels = _training_set(catalog, [], 0)
+    taught = set(zip(texts, labels, strict=True))
+    assert all((_strip_numbers(t), lab) in taught for t, lab in written)
+    real = {model_text(e["text"]) for e in real_corpus()[0]} | {
+        model_text(b) for b in real_corpus()[1]
+    }
+    for folder in sorted(REAL.glob("holdout*")):
+        real |= {model_text(t) for t in _set_lines(folder)}
+    assert not [t for t, _ in written if model_text(t) in real]
+
+
+def _set_lines(folder: Path) -> list[str]:
+    import json
+
+    errs = (folder / "error_lines.jsonl").read_text(encoding="utf-8").splitlines()
+    ben = (folder / "benign_lines.txt").read_text(encoding="utf-8").splitlines()
+    return [json.loads(x)["text"] for x in errs if x.strip()] + [b for b in ben if b.strip()]
+
+
 def test_fallback_is_cached_on_disk_and_rebuilt_when_its_inputs_change(tmp_path: Path) -> None:
     """A second process loads the fitted fallback from $RCA_HOME/cache and
     answers the same; a changed training input or a corrupt file is rebuilt."""
@@ -467,3 +554,29 @@ def test_header_less_source_lines_never_reach_the_fallback() -> None:
         "[rank0]:     raise RuntimeError(f\"Error building extension '{name}'\")",
     ):
         assert norm.classify_line(line).code is None, line
+
+
+def test_faults_without_an_error_word_reach_the_fallback() -> None:
+    """ERRORISH, which decides whether a line no pattern knows is asked about at
+    all, takes what faults say without an error word (round 13: 129 of the
+    simulated-first-sight unknowns never reached the model), while the ordinary
+    lines servers print by the million still never do (a first version's
+    "temperature" sent every sampling-params line to the model)."""
+    import re
+
+    from ingest.classify import ERRORISH
+    from ingest.corpus import benign_lines
+
+    rx = re.compile(ERRORISH)
+    for line in (
+        "ggml_backend_cuda_graph_compute: disabling CUDA graphs due to GPU architecture",
+        "start: couldn't bind HTTP server socket, hostname: /tmp/llamafile-1.sock",
+        "amdgpu: [powerplay] GPU over temperature range detected on PCIe 0:0.0!",
+        "The safetensors file is incomplete. Check the file size.",
+        '[GIN] 2025/03/06 - 11:42:21 | 503 |   42.04ms |   127.0.0.1 | POST "/api/generate"',
+        'INFO:     ::1:51556 - "POST /v1/chat/completions HTTP/1.1" 400 Bad Request',
+    ):
+        assert rx.search(line), line
+    assert not [b for b in benign_lines(20000, seed=5) if rx.search(b)]
+    ordinary = "SamplingParams(n=1, temperature=0.7, top_p=0.95, max_tokens=256)"
+    assert not rx.search(ordinary)

@@ -101,6 +101,7 @@ def test_a_line_that_names_no_family_is_never_guessed(normalizer) -> None:
     errors, _ = real_corpus()
     assert not [e["text"] for e in errors if is_vague(e["text"])]
     assert not is_vague("ERROR: unknown error, GPU fell off the bus")
+    assert not is_vague("KeyError: '<|im_end|>'")  # a tokenizer's special token
 
 
 def test_lines_that_read_like_faults_but_no_code_names_are_listed_not_dropped(
@@ -344,7 +345,9 @@ def test_ingest_is_idempotent_and_counts(tmp_path: Path) -> None:
     files = [EXAMPLE / "kern.log", EXAMPLE / "vllm.log", EXAMPLE / "otlp-traces.jsonl"]
     first = ingest_paths(store, files)
     assert [f.read for f in first.files] == [11, 46, 6]
-    assert [f.records for f in first.files] == [2, 8, 0]
+    # vllm.log: preemption, two 500s, a 503, two ECC errors and three engine-dead
+    # lines (since round 13 also vLLM's "Exception in callback ... _log_task_completion")
+    assert [f.records for f in first.files] == [2, 9, 0]
     assert first.files[2].spans == 12
     counts = store.counts()
     again = ingest_paths(store, files)
@@ -361,7 +364,7 @@ def test_ingest_cli_prints_counts_and_rejects_missing_files(tmp_path: Path) -> N
     res = runner.invoke(app, ["ingest", str(EXAMPLE / "vllm.log"), "--db", str(db), "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert out["read"] == 46 and out["normalized"] == 8 and out["quarantined"] == 0
+    assert out["read"] == 46 and out["normalized"] == 9 and out["quarantined"] == 0
     res = runner.invoke(app, ["ingest", str(tmp_path / "nope.log"), "--db", str(db)])
     assert res.exit_code != 0
 

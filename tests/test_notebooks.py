@@ -46,7 +46,7 @@ def test_postmortem_notebook_diagnoses_the_demo_incident(
     )
     client.execute()  # raises CellExecutionError on the first failing cell
     text = _outputs(nb)
-    assert f"{db}: 12 records, 12 spans" in text
+    assert f"{db}: 13 records, 12 spans" in text
     # the request with the most evidence of its own is the KV-corruption one
     assert f"trace {KV_TRACE}: symptom HTTP_500" in text
     assert "chain:      GPU_XID_48 -> KV_BLOCK_HASH_MISMATCH -> LOGITS_NAN -> HTTP_500" in text

@@ -180,6 +180,20 @@ def _flagged(norm: Normalizer, benign: list[str]) -> list[tuple[str, str]]:
     return [(b, r.code) for b, r in zip(benign, norm.classify(benign), strict=True) if r.code]
 
 
+def _training_without(
+    sets: dict[str, tuple[list[dict[str, Any]], list[str]]], name: str
+) -> list[tuple[str, str | None]]:
+    """Every set's (text, label) training pairs but those of set ``name``."""
+    train: list[tuple[str, str | None]] = [
+        (e["text"], training_label(e))
+        for other, (errs, _) in sets.items()
+        if other != name
+        for e in errs
+    ]
+    train += [(b, None) for other, (_, ben) in sets.items() if other != name for b in ben]
+    return train
+
+
 def _leave_one_set_out(
     shipped: Normalizer,
     sets: dict[str, tuple[list[dict[str, Any]], list[str]]],
@@ -192,13 +206,7 @@ def _leave_one_set_out(
     for name in sorted(sets):
         if name == BASE_SET:
             continue
-        train = [
-            (e["text"], training_label(e))
-            for other, (errs, _) in sets.items()
-            if other != name
-            for e in errs
-        ]
-        train += [(b, None) for other, (_, ben) in sets.items() if other != name for b in ben]
+        train = _training_without(sets, name)
         norm = shipped.retrained(train)
         errors, benign = sets[name]
         got = norm.classify([e["text"] for e in errors])
@@ -248,13 +256,7 @@ def _first_sight(
             dropped_examples += len(code.examples) - len(ex)
             codes.append(dataclasses.replace(code, examples=ex, patterns=pats))
         unseen = Catalog(catalog.version, f"{catalog.path}#without-{name}", tuple(codes))
-        train = [
-            (e["text"], training_label(e))
-            for other, (errs, _) in sets.items()
-            if other != name
-            for e in errs
-        ]
-        train += [(b, None) for other, (_, ben) in sets.items() if other != name for b in ben]
+        train = _training_without(sets, name)
         norm = Normalizer(unseen, threshold=threshold, training=train, labels=(), cache=False)
         got = norm.classify([e["text"] for e in errors])
         flagged = _flagged(norm, benign)

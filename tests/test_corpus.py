@@ -91,7 +91,7 @@ FORMER_HOLDOUTS = (
 #: Round 13 (holdout11 moved in, patterns from its misses, the written lines,
 #: a wider ERRORISH; 2,545 fault lines, 4,176 ordinary): 5-fold 0.925 at
 #: precision 0.977, 10/4,176 flagged; leave one set out holdout10 0.935,
-#: holdout11 0.881 (optimistic: studied), pooled 0.923 at precision 0.978.
+#: holdout11 0.881 (optimistic: studied), pooled 0.923 at precision 0.977.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out.
@@ -575,8 +575,11 @@ def test_faults_without_an_error_word_reach_the_fallback() -> None:
         "The safetensors file is incomplete. Check the file size.",
         '[GIN] 2025/03/06 - 11:42:21 | 503 |   42.04ms |   127.0.0.1 | POST "/api/generate"',
         'INFO:     ::1:51556 - "POST /v1/chat/completions HTTP/1.1" 400 Bad Request',
+        "Memory access fault by GPU node-1 (Agent handle: 0x55f8b54eec30) on address 0x7f2a",
+        "KV cache pool leak detected!",
     ):
         assert rx.search(line), line
+    assert not rx.search("INFO 06-08 19:03:45 [default_loader.py:262] Loading weights took 8 s")
     assert not [b for b in benign_lines(20000, seed=5) if rx.search(b)]
     ordinary = "SamplingParams(n=1, temperature=0.7, top_p=0.95, max_tokens=256)"
     assert not rx.search(ordinary)

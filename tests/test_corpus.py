@@ -460,20 +460,11 @@ def test_written_lines_are_training_data_apart_from_every_real_line(tmp_path: Pa
     texts, labels = _training_set(catalog, [], 0)
     taught = set(zip(texts, labels, strict=True))
     assert all((_strip_numbers(t), lab) in taught for t, lab in written)
-    real = {model_text(e["text"]) for e in real_corpus()[0]} | {
-        model_text(b) for b in real_corpus()[1]
-    }
-    for folder in sorted(REAL.glob("holdout*")):
-        real |= {model_text(t) for t in _set_lines(folder)}
+    real: set[str] = set()
+    for folder in [CORPUS_DIR, *sorted(REAL.glob("holdout*"))]:
+        for errs, ben in corpus_sets(folder).values():
+            real |= {model_text(e["text"]) for e in errs} | {model_text(b) for b in ben}
     assert not [t for t, _ in written if model_text(t) in real]
-
-
-def _set_lines(folder: Path) -> list[str]:
-    import json
-
-    errs = (folder / "error_lines.jsonl").read_text(encoding="utf-8").splitlines()
-    ben = (folder / "benign_lines.txt").read_text(encoding="utf-8").splitlines()
-    return [json.loads(x)["text"] for x in errs if x.strip()] + [b for b in ben if b.strip()]
 
 
 def test_fallback_is_cached_on_disk_and_rebuilt_when_its_inputs_change(tmp_path: Path) -> None:

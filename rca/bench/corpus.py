@@ -194,6 +194,34 @@ def _training_without(
     return train
 
 
+def _score_each_set(
+    catalog: Catalog,
+    sets: dict[str, tuple[list[dict[str, Any]], list[str]]],
+    build: Callable[[str], tuple[Normalizer, dict[str, Any]]],
+    readers: dict[str, dict[str, tuple[str | None, str]]] | None = None,
+) -> dict[str, Any]:
+    """Score each set but the base one with the classifier ``build(name)``
+    returns (with figures to add to that set's); the pooled figures are over
+    all the scored lines."""
+    per_set: dict[str, Any] = {}
+    pooled: tuple[list, list, list, list] = ([], [], [], [])
+    for name in sorted(sets):
+        if name == BASE_SET:
+            continue
+        norm, extra = build(name)
+        errors, benign = sets[name]
+        got = norm.classify([e["text"] for e in errors])
+        flagged = _flagged(norm, benign)
+        per_set[name] = score_lines(catalog, errors, got, benign, flagged) | extra
+        if readers and name in readers:
+            per_set[name]["blind_reader"] = blind_reader_figures(errors, got, readers[name])
+        for acc, part in zip(pooled, (errors, got, benign, flagged), strict=True):
+            acc.extend(part)
+    if not per_set:
+        return {}
+    return {"pooled": score_lines(catalog, *pooled), **per_set}
+
+
 def _leave_one_set_out(
     shipped: Normalizer,
     sets: dict[str, tuple[list[dict[str, Any]], list[str]]],
@@ -201,26 +229,12 @@ def _leave_one_set_out(
 ) -> dict[str, Any]:
     """Train without each set but the base one in turn and score it; the pooled
     figures are over all the left-out lines."""
-    per_set: dict[str, Any] = {}
-    pooled: tuple[list, list, list, list] = ([], [], [], [])
-    for name in sorted(sets):
-        if name == BASE_SET:
-            continue
-        train = _training_without(sets, name)
-        norm = shipped.retrained(train)
-        errors, benign = sets[name]
-        got = norm.classify([e["text"] for e in errors])
-        flagged = _flagged(norm, benign)
-        per_set[name] = score_lines(shipped.catalog, errors, got, benign, flagged)
-        if readers and name in readers:
-            per_set[name]["blind_reader"] = blind_reader_figures(errors, got, readers[name])
-        for acc, part in zip(pooled, (errors, got, benign, flagged), strict=True):
-            acc.extend(part)
-    if not per_set:
-        return {}
-    out = {"pooled": score_lines(shipped.catalog, *pooled)}
-    out.update(per_set)
-    return out
+    return _score_each_set(
+        shipped.catalog,
+        sets,
+        lambda name: (shipped.retrained(_training_without(sets, name)), {}),
+        readers,
+    )
 
 
 def _first_sight(
@@ -241,13 +255,8 @@ def _first_sight(
 
     from ingest.classify import model_text
 
-    per_set: dict[str, Any] = {}
-    pooled: tuple[list, list, list, list] = ([], [], [], [])
-    for name in sorted(sets):
-        if name == BASE_SET:
-            continue
-        errors, benign = sets[name]
-        said = {model_text(e["text"]) for e in errors}
+    def build(name: str) -> tuple[Normalizer, dict[str, Any]]:
+        said = {model_text(e["text"]) for e in sets[name][0]}
         codes, dropped_patterns, dropped_examples = [], 0, 0
         for code in catalog:
             ex = tuple(x for x in code.examples if model_text(x) not in said)
@@ -258,16 +267,9 @@ def _first_sight(
         unseen = Catalog(catalog.version, f"{catalog.path}#without-{name}", tuple(codes))
         train = _training_without(sets, name)
         norm = Normalizer(unseen, threshold=threshold, training=train, labels=(), cache=False)
-        got = norm.classify([e["text"] for e in errors])
-        flagged = _flagged(norm, benign)
-        per_set[name] = score_lines(catalog, errors, got, benign, flagged)
-        per_set[name]["patterns_dropped"] = dropped_patterns
-        per_set[name]["examples_dropped"] = dropped_examples
-        for acc, part in zip(pooled, (errors, got, benign, flagged), strict=True):
-            acc.extend(part)
-    if not per_set:
-        return {}
-    return {"pooled": score_lines(catalog, *pooled), **per_set}
+        return norm, {"patterns_dropped": dropped_patterns, "examples_dropped": dropped_examples}
+
+    return _score_each_set(catalog, sets, build)
 
 
 def evaluate_corpus(

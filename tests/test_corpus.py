@@ -28,7 +28,8 @@ REAL = Path(__file__).with_name("fixtures") / "real"
 CRASHLOGS = REAL / "crashlogs"
 #: Sets moved into the training corpus once scored (round 4; holdout4 and
 #: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9; holdout8 in
-#: round 10; holdout9 in round 11; holdout10 in round 12).
+#: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
+#: 13; holdout12 in round 14).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -41,6 +42,7 @@ FORMER_HOLDOUTS = (
     "holdout9",
     "holdout10",
     "holdout11",
+    "holdout12",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -92,6 +94,11 @@ FORMER_HOLDOUTS = (
 #: a wider ERRORISH; 2,545 fault lines, 4,176 ordinary): 5-fold 0.925 at
 #: precision 0.977, 10/4,176 flagged; leave one set out holdout10 0.935,
 #: holdout11 0.881 (optimistic: studied), pooled 0.923 at precision 0.977.
+#: Round 14 (holdout12 moved in, patterns from its misses, a third batch of
+#: written lines, more ERRORISH words; 2,749 fault lines, 4,519 ordinary):
+#: 5-fold 0.928 at precision 0.979, 14/4,519 flagged; leave one set out
+#: holdout11 0.888, holdout12 0.858 (optimistic: studied), pooled 0.919 at
+#: precision 0.975.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out.
@@ -108,6 +115,7 @@ LOSO_MIN = {
     "holdout9": 0.83,
     "holdout10": 0.88,
     "holdout11": 0.85,
+    "holdout12": 0.83,
 }
 
 
@@ -269,11 +277,19 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # OpenVINO, MLC, llama.cpp forks, client SDKs): round 12's classifier: family
 # 0.711, precision 0.948, 1/343 flagged; round 13 (which never saw it: the
 # written lines, the wider ERRORISH): 0.755, 0.939, 1/343. A blind reader of
-# its lines: 0.897.
+# its lines: 0.897. Moved into the corpus in round 14.
+#
+# holdout13 (186 fault lines, 73 projects, 334 ordinary lines; four more
+# gatherers, none ran the classifier; most LLM-serving threads already used,
+# so many lines from TensorFlow, CUDA/NCCL, the kernel, API gateways): round
+# 13's classifier: family 0.876, precision 0.988, 1/334 flagged; round 14's
+# patterns alone: 0.882; round 14 (which never saw it: a third batch of
+# written lines, more ERRORISH words, counters at zero): 0.898, 0.988, 1/334.
+# A blind reader of its lines: 0.973 (1.000 on the 164 it was sure of).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout12": {
-        "family_accuracy": 0.72,
-        "precision_when_answered": 0.90,
+    "holdout13": {
+        "family_accuracy": 0.87,
+        "precision_when_answered": 0.95,
         "benign_flagged_share": 0.02,
     },
 }

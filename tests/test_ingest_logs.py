@@ -104,6 +104,24 @@ def test_a_line_that_names_no_family_is_never_guessed(normalizer) -> None:
     assert not is_vague("KeyError: '<|im_end|>'")  # a tokenizer's special token
 
 
+def test_a_counter_at_zero_is_not_a_fault(normalizer) -> None:
+    """A stats line whose error words name counters that read zero ("logits
+    nan: 0", holdout12's one flagged ordinary line) reports that nothing went
+    wrong; the same counter above zero, or another error word, still reaches
+    the model, and no real fault line of the corpus reads as zero counters."""
+    from ingest.classify import counts_zero
+    from ingest.corpus import real_corpus
+
+    zero = ["logits nan: 0", "step 12 failed=0 ok=5", "errors: 0.0, dropped: 0", "exitcode: 0"]
+    assert all(map(counts_zero, zero))
+    assert [r.code for r in normalizer.classify(zero)] == [None] * len(zero)
+    assert not normalizer.classify_batch(zero).unclassified  # not even "could not name"
+    for line in ("logits nan: 3", "nan: 0, inf: 3", "num_errors=0, timeout after 30s"):
+        assert not counts_zero(line), line
+    errors, _ = real_corpus()
+    assert not [e["text"] for e in errors if counts_zero(e["text"])]
+
+
 def test_lines_that_read_like_faults_but_no_code_names_are_listed_not_dropped(
     tmp_path: Path,
 ) -> None:

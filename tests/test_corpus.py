@@ -29,7 +29,7 @@ CRASHLOGS = REAL / "crashlogs"
 #: Sets moved into the training corpus once scored (round 4; holdout4 and
 #: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9; holdout8 in
 #: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
-#: 13; holdout12 in round 14).
+#: 13; holdout12 in round 14; holdout13 in round 15).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -43,6 +43,7 @@ FORMER_HOLDOUTS = (
     "holdout10",
     "holdout11",
     "holdout12",
+    "holdout13",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -99,6 +100,10 @@ FORMER_HOLDOUTS = (
 #: 5-fold 0.928 at precision 0.979, 14/4,519 flagged; leave one set out
 #: holdout11 0.888, holdout12 0.858 (optimistic: studied), pooled 0.919 at
 #: precision 0.975.
+#: Round 15 (holdout13 moved in, patterns from its misses, more ERRORISH words;
+#: 2,935 fault lines, 4,853 ordinary): 5-fold 0.927 at precision 0.979,
+#: 15/4,853 flagged; leave one set out holdout12 0.858, holdout13 0.968
+#: (optimistic: studied), pooled 0.924 at precision 0.975.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out.
@@ -116,6 +121,7 @@ LOSO_MIN = {
     "holdout10": 0.88,
     "holdout11": 0.85,
     "holdout12": 0.83,
+    "holdout13": 0.93,
 }
 
 
@@ -285,11 +291,19 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # 13's classifier: family 0.876, precision 0.988, 1/334 flagged; round 14's
 # patterns alone: 0.882; round 14 (which never saw it: a third batch of
 # written lines, more ERRORISH words, counters at zero): 0.898, 0.988, 1/334.
-# A blind reader of its lines: 0.973 (1.000 on the 164 it was sure of).
+# A blind reader of its lines: 0.973 (1.000 on the 164 it was sure of). Moved
+# into the corpus in round 15.
+#
+# holdout14 (215 fault lines, 96 projects, 338 ordinary lines; four more
+# gatherers, none ran the classifier; 4 in 5 LLM-serving threads already used,
+# so many lines from the kernel, PyTorch training, apps and gateways in front
+# of a server; no scheduler line): round 14's classifier: family 0.795,
+# precision 0.924, 1/338 flagged; round 15 (which never saw it): 0.809, 0.931,
+# 1/338. A blind reader of its lines: 0.949 (0.969 on the 162 it was sure of).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout13": {
-        "family_accuracy": 0.87,
-        "precision_when_answered": 0.95,
+    "holdout14": {
+        "family_accuracy": 0.78,
+        "precision_when_answered": 0.90,
         "benign_flagged_share": 0.02,
     },
 }

@@ -160,6 +160,41 @@ def test_lines_that_read_like_faults_but_no_code_names_are_listed_not_dropped(
     assert res.exit_code == 0 and "could not name" in res.output
 
 
+def test_a_likely_fault_of_no_one_family_is_listed_not_dropped() -> None:
+    """The model calls a line ordinary when "ordinary" beats every single
+    family, even if the gate gives it a fault probability above one half
+    (spread over families). Such a line is listed as could-not-name with its
+    likeliest family; a line the gate finds ordinary is not."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    from ingest.classify import _Fallback
+
+    class Fake:  # the learned parts of a fallback, with fixed probabilities
+        classes_ = np.array([False, True])
+
+        def __init__(self, table: np.ndarray) -> None:
+            self.table = table
+
+        def transform(self, texts: list[str]) -> sp.csr_matrix:
+            return sp.csr_matrix(np.eye(len(texts)))
+
+        def predict_proba(self, x: np.ndarray) -> np.ndarray:
+            return self.table[: x.shape[0]]
+
+    fb = object.__new__(_Fallback)
+    fb.features = Fake(np.zeros(0))
+    fb.gate = Fake(np.array([[0.4, 0.6], [0.9, 0.1], [0.1, 0.9]]))  # P(fault): .6, .1, .9
+    fb.clf = Fake(np.array([[0.3, 0.3, 0.4], [0.3, 0.3, 0.4], [0.1, 0.1, 0.8]]))
+    fb.families = ["__none__", "gpu_oom", "network", "timeout"]
+    fb.codes, fb.code_family = ["HTTP_504"], ["timeout"]
+    fb.centroids = sp.csr_matrix(np.ones((1, 3)))
+    labels, probs, guesses = _Fallback.predict(fb, ["spread", "ordinary", "sure"])
+    assert labels == ["__none__", "__none__", "HTTP_504"]
+    assert guesses[0] == ("timeout", pytest.approx(0.24)) and guesses[1] is None
+    assert guesses[2] is None and probs[2] == pytest.approx(0.72)
+
+
 def test_a_file_that_starts_without_a_timestamp_keeps_its_order() -> None:
     """A pasted crash log often starts with a traceback and no time: its lines
     take a time just before the first timestamp below (inferred), not the time

@@ -94,7 +94,12 @@ ERRORISH = (
     r"\bincorrect\b|\bunpars|exited with (?:code|status) [1-9]|lockup|unrecogni[sz]ed|"
     # Round 15, from holdout13's lines: simulated first sight 0.856 -> 0.858.
     r"not recogni[sz]e|unknown (?:model|architecture|chipset)|disconnect|not yet supported|"
-    r"time-out|context window|maximum context)"
+    r"time-out|context window|maximum context|"
+    # Round 16, from holdout14's lines (an strace EPERM, a pydantic range error,
+    # xformers' head-dim and compute-capability limits, a node low on memory):
+    r"not permitted|\bE(?:PERM|ACCES|NOMEM|NOSPC)\b|\blow on (?:resources?|memory|disk)\b|"
+    r"\bInput should be\b|\brequires? (?:a |an )?(?:GPU|CUDA|newer|compute capability)|"
+    r"\bout of range\b|_M_range_check|\bonly [\w-]+(?:,? [\w-]+){0,6} (?:is|are) supported)"
 )
 #: Traceback structure and PyTorch/CUDA hint lines: never a fault by themselves.
 STRUCTURE = (

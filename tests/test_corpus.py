@@ -29,7 +29,7 @@ CRASHLOGS = REAL / "crashlogs"
 #: Sets moved into the training corpus once scored (round 4; holdout4 and
 #: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9; holdout8 in
 #: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
-#: 13; holdout12 in round 14; holdout13 in round 15).
+#: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -44,6 +44,7 @@ FORMER_HOLDOUTS = (
     "holdout11",
     "holdout12",
     "holdout13",
+    "holdout14",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -300,10 +301,19 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # of a server; no scheduler line): round 14's classifier: family 0.795,
 # precision 0.924, 1/338 flagged; round 15 (which never saw it): 0.809, 0.931,
 # 1/338. A blind reader of its lines: 0.949 (0.969 on the 162 it was sure of).
+# Moved into the corpus in round 16.
+#
+# holdout15 (191 fault lines, 85 projects, 338 ordinary lines; four more
+# gatherers, none ran the classifier; about 3 in 4 candidate threads already
+# used, so half its lines come from outside LLM serving or from apps and
+# gateways in front of a server; no scheduler or kv_cache_integrity line):
+# round 15's classifier: family 0.780, precision 0.909, 1/338 flagged; round 16
+# (which never saw it): 0.801, 0.916, 1/338. A blind reader of its lines: 0.937 (0.993 on
+# the 149 it was sure of).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout14": {
+    "holdout15": {
         "family_accuracy": 0.78,
-        "precision_when_answered": 0.90,
+        "precision_when_answered": 0.89,
         "benign_flagged_share": 0.02,
     },
 }

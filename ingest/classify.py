@@ -99,7 +99,10 @@ ERRORISH = (
     # xformers' head-dim and compute-capability limits, a node low on memory):
     r"not permitted|\bE(?:PERM|ACCES|NOMEM|NOSPC)\b|\blow on (?:resources?|memory|disk)\b|"
     r"\bInput should be\b|\brequires? (?:a |an )?(?:GPU|CUDA|newer|compute capability)|"
-    r"\bout of range\b|_M_range_check|\bonly [\w-]+(?:,? [\w-]+){0,6} (?:is|are) supported)"
+    r"\bout of range\b|_M_range_check|\bonly [\w-]+(?:,? [\w-]+){0,6} (?:is|are) supported|"
+    # Round 17, from holdout15's lines (a kernel UBSAN report in nvidia-uvm, OpenBLAS
+    # at RLIMIT_NPROC, Ray's object store falling back from a 64 MB /dev/shm):
+    r"out[ -]of[ -]bounds|\bUBSAN\b|\bRLIMIT_\w+|harm performance|has only \d+ (?:bytes|[KMG]i?B))"
 )
 #: Traceback structure and PyTorch/CUDA hint lines: never a fault by themselves.
 STRUCTURE = (

@@ -29,7 +29,8 @@ CRASHLOGS = REAL / "crashlogs"
 #: Sets moved into the training corpus once scored (round 4; holdout4 and
 #: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9; holdout8 in
 #: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
-#: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16).
+#: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
+#: holdout15 in round 17).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -45,6 +46,7 @@ FORMER_HOLDOUTS = (
     "holdout12",
     "holdout13",
     "holdout14",
+    "holdout15",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -105,6 +107,14 @@ FORMER_HOLDOUTS = (
 #: 2,935 fault lines, 4,853 ordinary): 5-fold 0.927 at precision 0.979,
 #: 14/4,853 flagged; leave one set out holdout12 0.858, holdout13 0.968
 #: (optimistic: studied), pooled 0.924 at precision 0.975.
+#: Round 16 (holdout14 moved in, patterns from its misses, more ERRORISH words;
+#: 3,150 fault lines, 5,191 ordinary): 5-fold 0.928 at precision 0.977,
+#: 14/5,191 flagged; leave one set out holdout13 0.957, holdout14 0.935
+#: (optimistic: studied), pooled 0.924 at precision 0.976.
+#: Round 17 (holdout15 moved in, patterns from its misses, more ERRORISH words;
+#: 3,341 fault lines, 5,529 ordinary): 5-fold 0.927 at precision 0.975,
+#: 17/5,529 flagged; leave one set out holdout14 0.930, holdout15 0.911
+#: (optimistic: studied), pooled 0.923 at precision 0.974.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out.
@@ -123,6 +133,8 @@ LOSO_MIN = {
     "holdout11": 0.85,
     "holdout12": 0.83,
     "holdout13": 0.93,
+    "holdout14": 0.90,
+    "holdout15": 0.88,
 }
 
 
@@ -309,11 +321,19 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # gateways in front of a server; no scheduler or kv_cache_integrity line):
 # round 15's classifier: family 0.780, precision 0.909, 1/338 flagged; round 16
 # (which never saw it): 0.801, 0.916, 1/338. A blind reader of its lines: 0.937 (0.993 on
-# the 149 it was sure of).
+# the 149 it was sure of). Moved into the corpus in round 17.
+#
+# holdout16 (202 fault lines, 86 projects, 350 ordinary lines; four more
+# gatherers, none ran the classifier; about 3 in 4 candidate threads already
+# used: many lines from TensorFlow/Keras, PyTorch-XLA, JAX, Paddle, MXNet,
+# libfabric, the kernel, and apps and clients in front of a server): round
+# 16's classifier: family 0.822, precision 0.927, 2/350 flagged; round 17
+# (which never saw it): 0.827, 0.928, 3/350. A blind reader of its lines:
+# 0.946 (0.982 on the 165 it was sure of).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout15": {
-        "family_accuracy": 0.78,
-        "precision_when_answered": 0.89,
+    "holdout16": {
+        "family_accuracy": 0.80,
+        "precision_when_answered": 0.90,
         "benign_flagged_share": 0.02,
     },
 }
@@ -608,6 +628,10 @@ def test_faults_without_an_error_word_reach_the_fallback() -> None:
         'INFO:     ::1:51556 - "POST /v1/chat/completions HTTP/1.1" 400 Bad Request',
         "Memory access fault by GPU node-1 (Agent handle: 0x55f8b54eec30) on address 0x7f2a",
         "KV cache pool leak detected!",
+        'open("/dev/nvidiactl", O_RDWR)          = -1 EPERM (Operation not permitted)',
+        "The node was low on resource: memory.",
+        "kernel: UBSAN: array-index-out-of-bounds in nvidia-uvm/uvm_pmm_gpu.c:857:39",
+        "OpenBLAS blas_thread_init: RLIMIT_NPROC 4096 current, 513046 max",
     ):
         assert rx.search(line), line
     assert not rx.search("INFO 06-08 19:03:45 [default_loader.py:262] Loading weights took 8 s")

@@ -78,7 +78,8 @@ def test_a_line_that_names_no_family_is_never_guessed(normalizer) -> None:
     """Error words alone ("ERROR Internal error", Python's generic exceptions on
     generic words) say a line failed, not what failed: the model is not asked
     (it named a family for 14 of 24 such lines at round 10's threshold). No
-    real fault line of the corpus is that vague."""
+    real fault line of the corpus is that vague unless a pattern knows its
+    shape (holdout14's "Abort was called at 63 line in file:")."""
     from ingest.classify import is_vague
     from ingest.corpus import real_corpus
 
@@ -99,7 +100,10 @@ def test_a_line_that_names_no_family_is_never_guessed(normalizer) -> None:
     batch = normalizer.classify_batch(vague)
     assert sorted(batch.unclassified) == list(range(len(vague)))  # listed, not dropped
     errors, _ = real_corpus()
-    assert not [e["text"] for e in errors if is_vague(e["text"])]
+    vague_real = [e for e in errors if is_vague(e["text"])]
+    got = normalizer.classify([e["text"] for e in vague_real])
+    assert len(vague_real) <= 3  # measured: 1 of 3,341
+    assert [(r.method, r.family) for r in got] == [("pattern", e["family"]) for e in vague_real]
     assert not is_vague("ERROR: unknown error, GPU fell off the bus")
     assert not is_vague("KeyError: '<|im_end|>'")  # a tokenizer's special token
 

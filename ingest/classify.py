@@ -102,7 +102,13 @@ ERRORISH = (
     r"\bout of range\b|_M_range_check|\bonly [\w-]+(?:,? [\w-]+){0,6} (?:is|are) supported|"
     # Round 17, from holdout15's lines (a kernel UBSAN report in nvidia-uvm, OpenBLAS
     # at RLIMIT_NPROC, Ray's object store falling back from a 64 MB /dev/shm):
-    r"out[ -]of[ -]bounds|\bUBSAN\b|\bRLIMIT_\w+|harm performance|has only \d+ (?:bytes|[KMG]i?B))"
+    r"out[ -]of[ -]bounds|\bUBSAN\b|\bRLIMIT_\w+|harm performance|has only \d+ (?:bytes|[KMG]i?B)|"
+    # Round 18, from holdout16's lines (lspci's "(downgraded)", a C++ abort on a
+    # Paddle BadAlloc, "Server is busy; please try again later", Ray Serve replicas
+    # slow to start, gloo's "Connection closed by peer"):
+    r"terminate called after throwing|\(downgraded\)|\bneed to (?:have )?\S+ installed|"
+    r"rate_limit|\bis busy\b|\btoo busy\b|try again later|taken (?:more|longer) than \d+ ?s\b|"
+    r"closed by (?:the )?(?:remote )?peer|reset by peer)"
 )
 #: Traceback structure and PyTorch/CUDA hint lines: never a fault by themselves.
 STRUCTURE = (

@@ -30,7 +30,7 @@ CRASHLOGS = REAL / "crashlogs"
 #: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9; holdout8 in
 #: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
 #: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
-#: holdout15 in round 17).
+#: holdout15 in round 17; holdout16 in round 18).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -47,6 +47,7 @@ FORMER_HOLDOUTS = (
     "holdout13",
     "holdout14",
     "holdout15",
+    "holdout16",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -115,6 +116,10 @@ FORMER_HOLDOUTS = (
 #: 3,341 fault lines, 5,529 ordinary): 5-fold 0.927 at precision 0.975,
 #: 17/5,529 flagged; leave one set out holdout14 0.930, holdout15 0.911
 #: (optimistic: studied), pooled 0.923 at precision 0.974.
+#: Round 18 (holdout16 moved in, patterns from its misses, more ERRORISH words;
+#: 3,543 fault lines, 5,879 ordinary): 5-fold 0.927 at precision 0.975,
+#: 18/5,879 flagged; leave one set out holdout15 0.906, holdout16 0.950
+#: (optimistic: studied), pooled 0.926 at precision 0.973.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out.
@@ -135,6 +140,7 @@ LOSO_MIN = {
     "holdout13": 0.93,
     "holdout14": 0.90,
     "holdout15": 0.88,
+    "holdout16": 0.92,
 }
 
 
@@ -329,12 +335,22 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # libfabric, the kernel, and apps and clients in front of a server): round
 # 16's classifier: family 0.822, precision 0.927, 2/350 flagged; round 17
 # (which never saw it): 0.827, 0.928, 3/350. A blind reader of its lines:
-# 0.946 (0.982 on the 165 it was sure of).
+# 0.946 (0.982 on the 165 it was sure of). Moved into the corpus in round 18.
+#
+# holdout17 (129 fault lines, 63 projects, 293 ordinary lines; four more
+# gatherers, none ran the classifier; short of 150: the session's search
+# budget ran out; many lines from TensorFlow, Paddle, CuPy, Caffe, Isaac
+# Gym/Sim, Habana Gaudi, AWS Neuron, fairseq and gateways in front of a
+# server): round 17's classifier: family 0.690, precision 0.927, 2/293
+# flagged; round 18 (which never saw it): 0.690, 0.918, 2/293 (one unknown
+# line became a wrong one; none gained). A blind reader of its lines:
+# 0.961 (1.000 on the 84 it was sure of).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout16": {
-        "family_accuracy": 0.80,
+    "holdout17": {
+        "family_accuracy": 0.67,
         "precision_when_answered": 0.90,
         "benign_flagged_share": 0.02,
+        "min_lines": 120,
     },
 }
 

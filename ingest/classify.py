@@ -325,11 +325,12 @@ class Batch:
 
 #: Bump when the fallback's features, model or training-set construction change:
 #: it is part of the on-disk cache key.
-CLASSIFIER_VERSION = 11  # 5: family-only training labels; 6: 15 SGD epochs;
+CLASSIFIER_VERSION = 12  # 5: family-only training labels; 6: 15 SGD epochs;
 # 7: a path's directories dropped from the model's text; 8: a fault-vs-ordinary
 # gate before the family model, catalog summaries as family training texts;
 # 9: log prefixes dropped from the model's text; 10: the family lexicon;
-# 11: the written lines (ingest/data/synthetic_lines.jsonl)
+# 11: the written lines (ingest/data/synthetic_lines.jsonl); 12: identifiers
+# split into words for the word features (word_view)
 
 
 def _training_set(
@@ -397,6 +398,27 @@ def training_key(
     return h.hexdigest()
 
 
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]+")
+_CASE_CHANGE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+
+
+def word_view(text: str) -> str:
+    """The text the word features see: lower-cased, with each identifier that
+    joins words (``GPUIsLost``, ``BadAlloc``, ``RATE_LIMITED``) also split
+    into them, so its words meet the same words written apart."""
+    extra = []
+    for tok in _IDENT.findall(text):
+        split = _CASE_CHANGE.sub(" ", tok).replace("_", " ")
+        if split.strip() != tok:
+            extra.append(split)
+    return (text + " " + " ".join(extra)).lower() if extra else text.lower()
+
+
+# Round 18: with word_view, simulated first sight over 16 sets (3,047 lines)
+# 0.854 -> 0.854 at precision 0.952 -> 0.956 (11 fewer wrong answers, 10 more
+# unknowns); at threshold 0.50, 0.861 -> 0.862 at 0.947 -> 0.949.
+
+
 class _Fallback:
     """TF-IDF + log-loss linear models over catalog examples and real lines vs
     ordinary lines: a fault-vs-ordinary gate, then the family of a fault."""
@@ -422,6 +444,7 @@ class _Fallback:
                 (
                     "words",
                     TfidfVectorizer(
+                        preprocessor=word_view,
                         token_pattern=r"[A-Za-z_][A-Za-z_]+",
                         ngram_range=(1, 2),
                         sublinear_tf=True,

@@ -117,9 +117,10 @@ FORMER_HOLDOUTS = (
 #: 17/5,529 flagged; leave one set out holdout14 0.930, holdout15 0.911
 #: (optimistic: studied), pooled 0.923 at precision 0.974.
 #: Round 18 (holdout16 moved in, patterns from its misses, more ERRORISH words;
-#: 3,543 fault lines, 5,879 ordinary): 5-fold 0.927 at precision 0.975,
-#: 18/5,879 flagged; leave one set out holdout15 0.906, holdout16 0.950
-#: (optimistic: studied), pooled 0.926 at precision 0.973.
+#: 3,543 fault lines, 5,879 ordinary; identifiers split into words, word_view):
+#: 5-fold 0.928 at precision 0.976, 20/5,879 flagged; leave one set out
+#: holdout15 0.895, holdout16 0.946 (optimistic: studied), pooled 0.925 at
+#: precision 0.975.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out.
@@ -342,12 +343,13 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # budget ran out; many lines from TensorFlow, Paddle, CuPy, Caffe, Isaac
 # Gym/Sim, Habana Gaudi, AWS Neuron, fairseq and gateways in front of a
 # server): round 17's classifier: family 0.690, precision 0.927, 2/293
-# flagged; round 18 (which never saw it): 0.690, 0.918, 2/293 (one unknown
-# line became a wrong one; none gained). A blind reader of its lines:
+# flagged; round 18's patterns and words alone (which never saw it): 0.690,
+# 0.918, 2/293; round 18 with identifiers split into words (word_view): 0.705,
+# 0.919, 1/293. A blind reader of its lines:
 # 0.961 (1.000 on the 84 it was sure of).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
     "holdout17": {
-        "family_accuracy": 0.67,
+        "family_accuracy": 0.68,
         "precision_when_answered": 0.90,
         "benign_flagged_share": 0.02,
         "min_lines": 120,

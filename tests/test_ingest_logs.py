@@ -604,3 +604,18 @@ def test_yearless_timestamps_never_land_after_the_file_was_written() -> None:
     assert ts == jan_2027 - 60 * 10**9  # 2026-12-31, not 2027-12-31
     ts, _ = parse_timestamp("Jan  1 00:00:30 h kernel: x", 2027, not_after_ns=jan_2027)
     assert ts == jan_2027 + 30 * 10**9
+
+
+def test_identifiers_that_join_words_are_also_read_as_those_words() -> None:
+    """The fallback's word features see ``GPUIsLost`` as "gpu is lost" too, so
+    a message written as one identifier meets the same words written apart
+    (round 18: 11 fewer wrong answers over 16 sets at simulated first sight)."""
+    from ingest.classify import word_view
+
+    assert word_view("NVML get temp failed with code: GPUIsLost").endswith("gpu is lost")
+    assert "bad alloc" in word_view("paddle::memory::allocation::BadAlloc")
+    assert "rate limited" in word_view("AgentState.RATE_LIMITED")
+    assert "cuda error memory allocation" in word_view("cudaErrorMemoryAllocation: out of memory")
+    plain = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert word_view(plain) == (plain + " Runtime Error").lower()
+    assert word_view("INFO 06-08 Loading weights took 8 s") == "info 06-08 loading weights took 8 s"

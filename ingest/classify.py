@@ -87,7 +87,7 @@ ERRORISH = (
     r"\bno available\b|\bno workers?\b|"
     r"(?:larger|greater|longer|more|bigger) than (?:the )?(?:max|maximum|allowed|available|derived|"
     r"supported|specified|profiled|limit)|than is available|\bclamp|\bclip(?:ped|ping)? to\b|"
-    r"unexpected behaviou?r|\blost\b|\bimpossible\b|\bduplicate|rate[ -]?limit|"
+    r"unexpected behaviou?r|\blost\b|\bimpossible\b|\bduplicate|rate[ _-]?limit|"
     r"\bSIG(?:TERM|KILL|SEGV|ABRT|BUS|INT|ILL|FPE)\b|\bdropp(?:ed|ing)\b|(?:did|does|do) not match|"
     r"\.cc:\d+ -> [1-9]\d*\b|\btimes out\b|\btiming out\b|\brecompil|limit reached|"
     r"reached (?:the |its )?(?:\w+ )?limit|limit hit|hit (?:the )?[\w.]*limit|\brestricted\b|"
@@ -105,10 +105,11 @@ ERRORISH = (
     r"out[ -]of[ -]bounds|\bUBSAN\b|\bRLIMIT_\w+|harm performance|has only \d+ (?:bytes|[KMG]i?B)|"
     # Round 18, from holdout16's lines (lspci's "(downgraded)", a C++ abort on a
     # Paddle BadAlloc, "Server is busy; please try again later", Ray Serve replicas
-    # slow to start, gloo's "Connection closed by peer"):
+    # slow to start, gloo's "Connection closed by peer"; OpenHands' RATE_LIMITED
+    # widened "rate limit" above, and "reset by peer" was already "reset"):
     r"terminate called after throwing|\(downgraded\)|\bneed to (?:have )?\S+ installed|"
-    r"rate_limit|\bis busy\b|\btoo busy\b|try again later|taken (?:more|longer) than \d+ ?s\b|"
-    r"closed by (?:the )?(?:remote )?peer|reset by peer)"
+    r"\b(?:is|too) busy\b|try again later|taken (?:more|longer) than \d+ ?s\b|"
+    r"closed by (?:the )?(?:remote )?peer)"
 )
 #: Traceback structure and PyTorch/CUDA hint lines: never a fault by themselves.
 STRUCTURE = (

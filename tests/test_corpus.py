@@ -30,7 +30,7 @@ CRASHLOGS = REAL / "crashlogs"
 #: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9; holdout8 in
 #: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
 #: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
-#: holdout15 in round 17; holdout16 in round 18).
+#: holdout15 in round 17; holdout16 in round 18; holdout17 in round 19).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -48,6 +48,7 @@ FORMER_HOLDOUTS = (
     "holdout14",
     "holdout15",
     "holdout16",
+    "holdout17",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -121,10 +122,15 @@ FORMER_HOLDOUTS = (
 #: 5-fold 0.928 at precision 0.976, 20/5,879 flagged; leave one set out
 #: holdout15 0.895, holdout16 0.946 (optimistic: studied), pooled 0.925 at
 #: precision 0.975.
+#: Round 19 (holdout17 moved in, patterns from its misses; 3,672 fault lines,
+#: 6,172 ordinary): 5-fold 0.928 at precision 0.979, 19/6,172 flagged; leave
+#: one set out holdout16 0.941, holdout17 0.907 (optimistic: studied), pooled
+#: 0.923 at precision 0.974.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
-#: holdout7, gathered when unused public text ran out.
-SET_MIN_LINES = {"holdout7": 85}
+#: holdout7, gathered when unused public text ran out, and holdout17, gathered
+#: when the session's search budget ran out.
+SET_MIN_LINES = {"holdout7": 85, "holdout17": 120}
 LOSO_MIN = {
     "dev": 0.94,
     "holdout2": 0.88,
@@ -142,6 +148,7 @@ LOSO_MIN = {
     "holdout14": 0.90,
     "holdout15": 0.88,
     "holdout16": 0.92,
+    "holdout17": 0.88,
 }
 
 
@@ -346,13 +353,23 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # flagged; round 18's patterns and words alone (which never saw it): 0.690,
 # 0.918, 2/293; round 18 with identifiers split into words (word_view): 0.705,
 # 0.919, 1/293. A blind reader of its lines:
-# 0.961 (1.000 on the 84 it was sure of).
+# 0.961 (1.000 on the 84 it was sure of). Moved into the corpus in round 19.
+#
+# holdout18 (170 fault lines, 86 projects, 314 ordinary lines; four more
+# gatherers with more look-ups each, none ran the classifier; about 4 in 5
+# candidate threads already used: lines from research CUDA code, Stable
+# Diffusion UIs, TensorFlow/CNTK/Paddle, mining and gaming boxes, training
+# stacks, gateways and hosted APIs; no scheduler line): round 18's
+# classifier: family 0.906, precision 0.969, 1/314 flagged; round 19 (which
+# never saw it) the same: 0.906, 0.969, 1/314. 21 of its lines say what a
+# training line says (the same text as the model sees it); on the other 149,
+# 0.893. A blind reader of its lines: 0.982 (1.000 on the 130 it was sure of):
+# an easier set than holdout17, whose lines the same reader got 0.961.
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout17": {
-        "family_accuracy": 0.68,
-        "precision_when_answered": 0.90,
+    "holdout18": {
+        "family_accuracy": 0.88,
+        "precision_when_answered": 0.94,
         "benign_flagged_share": 0.02,
-        "min_lines": 120,
     },
 }
 

@@ -8,7 +8,7 @@ ranking gets worse.
   leave-one-set-out (train without a set, score it: the estimate for a new set);
 * ``tests/fixtures/real/crashlogs``: real multi-line crash logs;
 * ``tests/fixtures/real/<set>``: an independent set not yet trained on, scored
-  once as shipped and gated below (``HOLDOUT_GATES``; none at present).
+  once as shipped and gated below (``HOLDOUT_GATES``).
 
 The thresholds sit a few points under the measured figures (see CHANGELOG),
 so a real regression fails and run-to-run noise does not.
@@ -30,7 +30,8 @@ CRASHLOGS = REAL / "crashlogs"
 #: holdout5 in round 6; holdout6 in round 7; holdout7 in round 9; holdout8 in
 #: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
 #: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
-#: holdout15 in round 17; holdout16 in round 18; holdout17 in round 19).
+#: holdout15 in round 17; holdout16 in round 18; holdout17 in round 19;
+#: holdout18 in round 20).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -49,6 +50,7 @@ FORMER_HOLDOUTS = (
     "holdout15",
     "holdout16",
     "holdout17",
+    "holdout18",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -126,6 +128,10 @@ FORMER_HOLDOUTS = (
 #: 6,172 ordinary): 5-fold 0.928 at precision 0.979, 19/6,172 flagged; leave
 #: one set out holdout16 0.941, holdout17 0.907 (optimistic: studied), pooled
 #: 0.923 at precision 0.974.
+#: Round 20 (holdout18 moved in, patterns from its misses; 3,842 fault lines,
+#: 6,485 ordinary): 5-fold 0.932 at precision 0.978, 21/6,485 flagged; leave
+#: one set out holdout17 0.907, holdout18 0.994 (optimistic: studied), pooled
+#: 0.927 at precision 0.976.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out, and holdout17, gathered
@@ -149,6 +155,7 @@ LOSO_MIN = {
     "holdout15": 0.88,
     "holdout16": 0.92,
     "holdout17": 0.88,
+    "holdout18": 0.96,
 }
 
 
@@ -364,11 +371,22 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # never saw it) the same: 0.906, 0.969, 1/314. 21 of its lines say what a
 # training line says (the same text as the model sees it); on the other 149,
 # 0.893. A blind reader of its lines: 0.982 (1.000 on the 130 it was sure of):
-# an easier set than holdout17, whose lines the same reader got 0.961.
+# an easier set than holdout17, whose lines the same reader got 0.961. Moved
+# into the corpus in round 20.
+#
+# holdout19 (158 fault lines, 91 projects, 301 ordinary lines; four more
+# gatherers, none ran the classifier; most candidate threads already used:
+# lines from TensorFlow, JAX, Caffe, darknet, Thrust/RAPIDS, ComfyUI and
+# diffusion repos, llama.cpp bindings, coding agents, clients and gateways;
+# one scheduler line): round 19's classifier: family 0.892, precision 0.993,
+# 3/301 flagged; round 20 (which never saw it): 0.899, 0.993, 3/301. 26 of its
+# lines say what a training line says; on the other 132, 0.879. A blind reader
+# of its lines (read twice, the second time with the labelled files moved
+# away): 0.994 (1.000 on the 133 it was sure of; one unknown).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout18": {
-        "family_accuracy": 0.88,
-        "precision_when_answered": 0.94,
+    "holdout19": {
+        "family_accuracy": 0.87,
+        "precision_when_answered": 0.96,
         "benign_flagged_share": 0.02,
     },
 }

@@ -31,7 +31,7 @@ CRASHLOGS = REAL / "crashlogs"
 #: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
 #: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
 #: holdout15 in round 17; holdout16 in round 18; holdout17 in round 19;
-#: holdout18 in round 20).
+#: holdout18 in round 20; holdout19 in round 21).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -51,6 +51,7 @@ FORMER_HOLDOUTS = (
     "holdout16",
     "holdout17",
     "holdout18",
+    "holdout19",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -132,6 +133,10 @@ FORMER_HOLDOUTS = (
 #: 6,485 ordinary): 5-fold 0.932 at precision 0.978, 21/6,485 flagged; leave
 #: one set out holdout17 0.907, holdout18 0.994 (optimistic: studied), pooled
 #: 0.927 at precision 0.976.
+#: Round 21 (holdout19 moved in, patterns from its misses, a new code
+#: NON_FINITE_LOSS; 4,000 fault lines, 6,786 ordinary): 5-fold 0.932 at
+#: precision 0.980, 20/6,786 flagged; leave one set out holdout18 0.982,
+#: holdout19 1.000 (optimistic: studied), pooled 0.930 at precision 0.978.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out, and holdout17, gathered
@@ -156,6 +161,7 @@ LOSO_MIN = {
     "holdout16": 0.92,
     "holdout17": 0.88,
     "holdout18": 0.96,
+    "holdout19": 0.97,
 }
 
 
@@ -382,11 +388,22 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # 3/301 flagged; round 20 (which never saw it): 0.899, 0.993, 3/301. 26 of its
 # lines say what a training line says; on the other 132, 0.879. A blind reader
 # of its lines (read twice, the second time with the labelled files moved
-# away): 0.994 (1.000 on the 133 it was sure of; one unknown).
+# away): 0.994 (1.000 on the 133 it was sure of; one unknown). Moved into the
+# corpus in round 21.
+#
+# holdout20 (173 fault lines, 77 projects, 309 ordinary lines; four more
+# gatherers, none ran the classifier; about 3 in 4 candidate threads already
+# used: lines from TensorFlow, torch7, MXNet, hashcat, whisper.cpp, CuPy,
+# KubeVirt, MinerU, apps, clients, proxies and hosted APIs; no scheduler
+# line): round 20's classifier: family 0.798, precision 0.945, 0/309 flagged;
+# round 21 (which never saw it): 0.803, 0.946, 0/309. 23 of its lines say what
+# a training line says; on the other 150, 0.773. A blind reader of its lines
+# (labelled files moved away while it read): 0.936 (0.985 on the 130 it was
+# sure of; two unknowns): a harder set than holdout19 (0.994).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout19": {
-        "family_accuracy": 0.87,
-        "precision_when_answered": 0.96,
+    "holdout20": {
+        "family_accuracy": 0.78,
+        "precision_when_answered": 0.93,
         "benign_flagged_share": 0.02,
     },
 }

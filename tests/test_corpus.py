@@ -31,7 +31,7 @@ CRASHLOGS = REAL / "crashlogs"
 #: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
 #: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
 #: holdout15 in round 17; holdout16 in round 18; holdout17 in round 19;
-#: holdout18 in round 20; holdout19 in round 21).
+#: holdout18 in round 20; holdout19 in round 21; holdout20 in round 22).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -52,6 +52,7 @@ FORMER_HOLDOUTS = (
     "holdout17",
     "holdout18",
     "holdout19",
+    "holdout20",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -137,6 +138,10 @@ FORMER_HOLDOUTS = (
 #: NON_FINITE_LOSS; 4,000 fault lines, 6,786 ordinary): 5-fold 0.932 at
 #: precision 0.980, 20/6,786 flagged; leave one set out holdout18 0.982,
 #: holdout19 1.000 (optimistic: studied), pooled 0.930 at precision 0.978.
+#: Round 22 (holdout20 moved in, patterns from its misses, a new code
+#: HOST_THREAD_LIMIT; 4,173 fault lines, 7,095 ordinary): 5-fold 0.934 at
+#: precision 0.979, 21/7,095 flagged; leave one set out holdout19 1.000,
+#: holdout20 0.919 (optimistic: studied), pooled 0.930 at precision 0.978.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out, and holdout17, gathered
@@ -162,6 +167,7 @@ LOSO_MIN = {
     "holdout17": 0.88,
     "holdout18": 0.96,
     "holdout19": 0.97,
+    "holdout20": 0.89,
 }
 
 
@@ -399,11 +405,24 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # round 21 (which never saw it): 0.803, 0.946, 0/309. 23 of its lines say what
 # a training line says; on the other 150, 0.773. A blind reader of its lines
 # (labelled files moved away while it read): 0.936 (0.985 on the 130 it was
-# sure of; two unknowns): a harder set than holdout19 (0.994).
+# sure of; two unknowns): a harder set than holdout19 (0.994). Moved into the
+# corpus in round 22.
+#
+# holdout21 (161 fault lines, 87 projects, 314 ordinary lines; four gatherers
+# and two top-up gatherers, none ran the classifier; about 4 in 5 candidate
+# threads already used: lines from TensorFlow, Caffe, Paddle, Keras, ComfyUI
+# and diffusion trainers, fabric manager, OpenMPI, apps and clients; one
+# gpu_hardware, one kv_cache_integrity and one speculative_decoding line):
+# round 20's classifier: family 0.783, precision 0.913, 1/314 flagged; round 21
+# (which never saw it): 0.801, 0.915, 1/314; round 22 (which never saw it):
+# 0.801, 0.921, 1/314. 35 of its lines say what a training line says; on the
+# other 126, 0.794. A blind reader of its lines (labelled files moved away
+# while it read): 0.888 (0.975 on the 118 it was sure of; three TensorRT
+# lines labelled config that the catalog and the corpus call model_loading).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout20": {
+    "holdout21": {
         "family_accuracy": 0.78,
-        "precision_when_answered": 0.93,
+        "precision_when_answered": 0.90,
         "benign_flagged_share": 0.02,
     },
 }

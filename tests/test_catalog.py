@@ -588,3 +588,61 @@ def test_round7_patterns_stay_off_lookalike_lines(shipped, line: str) -> None:
     from ingest.classify import Normalizer
 
     assert Normalizer(shipped, fallback=False).classify_line(line).code is None
+
+
+# Rounds 21-22: the two codes added for message families many real lines said with no
+# code to name. Variants written from the emitting projects' format strings (Caffe's
+# solver, DETR-style trainers, OpenBLAS, libgomp), neither corpus lines nor examples.
+ROUND21_22_LINES = [
+    (
+        "I1203 09:12:44.118230  9211 solver.cpp:218] Iteration 3400 (1.9 iter/s, 52.6s/100 "
+        "iters), loss = inf",
+        "NON_FINITE_LOSS",
+    ),
+    ("Loss is inf, stopping training", "NON_FINITE_LOSS"),
+    (
+        "OpenBLAS blas_thread_init: pthread_create failed for thread 7 of 32: Resource "
+        "temporarily unavailable",
+        "HOST_THREAD_LIMIT",
+    ),
+    ("libgomp: Thread creation failed: Resource temporarily unavailable", "HOST_THREAD_LIMIT"),
+]
+
+
+@pytest.mark.parametrize(("line", "code"), ROUND21_22_LINES)
+def test_round21_and_22_codes_match_their_message_families(shipped, line: str, code: str) -> None:
+    from ingest.classify import Normalizer
+    from ingest.corpus import real_corpus
+
+    examples = {ex for c in shipped for ex in c.examples}
+    errors, benign = real_corpus()
+    assert line not in examples and line not in {e["text"] for e in errors} | set(benign)
+    assert Normalizer(shipped, fallback=False).classify_line(line).code == code
+
+
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        # a trainer's initial best loss is inf before the first evaluation
+        ("Epoch 0 | best val loss: inf", "NON_FINITE_LOSS"),
+        (
+            "I1203 09:12:44.118230  9211 solver.cpp:218] Iteration 3400, loss = 0.693147",
+            "NON_FINITE_LOSS",
+        ),
+        (
+            "{'loss_classifier': tensor(0.6931, device='cuda:0', grad_fn=<NllLossBackward0>)}",
+            "NON_FINITE_LOSS",
+        ),
+        # NCCL retries a refused connect while its peers start: only an unreachable
+        # host is evidence by itself
+        (
+            "node1:2071:2102 [0] NCCL INFO socketPollConnect: connect returned Connection "
+            "refused, retrying (1/34) after sleep for 100 msec",
+            "NCCL_SOCKET_CONNECT_FAILED",
+        ),
+    ],
+)
+def test_round21_and_22_patterns_stay_off_lookalike_lines(shipped, line: str, code: str) -> None:
+    from ingest.classify import Normalizer
+
+    assert Normalizer(shipped, fallback=False).classify_line(line).code != code

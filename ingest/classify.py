@@ -668,10 +668,20 @@ class Normalizer:
         if n == 0:
             return batch
         s = pl.Series("t", lines, dtype=pl.String)
-        hit = s.str.contains_any(self._literals, ascii_case_insensitive=True).fill_null(False)
-        hit = hit.to_numpy().copy()
+        # The whole-batch scans in one select: polars runs its expressions in
+        # parallel (round 22: ~1.3x on the ingest bench's 2 cores).
+        t = pl.col("t")
+        scans = [t.str.contains_any(self._literals, ascii_case_insensitive=True).alias("hit")]
         if code_lines is None:
-            frames = s.str.contains('File "', literal=True).fill_null(False).to_numpy()
+            scans.append(t.str.contains('File "', literal=True).alias("frames"))
+        model_scan = self._use_fallback or bool(self._label_map)
+        if model_scan:
+            scans.append(t.str.contains(ERRORISH).alias("errorish"))
+            scans.append(t.str.contains(STRUCTURE).alias("structure"))
+        cols = s.to_frame().select(scans).fill_null(False)
+        hit = cols["hit"].to_numpy().copy()
+        if code_lines is None:
+            frames = cols["frames"].to_numpy()
             code_lines = traceback_code_lines(lines, np.flatnonzero(frames).tolist())
         skip = np.fromiter(code_lines, dtype=np.int64, count=len(code_lines))
         hit[skip] = False
@@ -695,9 +705,9 @@ class Normalizer:
                 mt, code = best
                 f = {k: _coerce(v) for k, v in mt.groupdict().items() if v}
                 batch.set(idx, code, 1.0, self._generic_fields(text, f), "pattern")
-        if self._use_fallback or self._label_map:
-            errorish = s.str.contains(ERRORISH).fill_null(False).to_numpy() & ~hit
-            errorish &= ~s.str.contains(STRUCTURE).fill_null(False).to_numpy()
+        if model_scan:
+            errorish = cols["errorish"].to_numpy() & ~hit
+            errorish &= ~cols["structure"].to_numpy()
             errorish[skip] = False
             rest = []
             for i in np.flatnonzero(errorish).tolist():

@@ -132,6 +132,9 @@ class Code:
     patterns: tuple[str, ...] = ()
     examples: tuple[str, ...] = ()
     causes: tuple[Edge, ...] = ()
+    #: codes this code beats when patterns of both match one line (declared
+    #: precedence, before the longest-span rule; ``ingest.classify.pick_match``)
+    wins_over: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -151,6 +154,7 @@ class Code:
             "patterns": list(self.patterns),
             "examples": list(self.examples),
             "causes": [{"code": e.code, "strength": e.strength} for e in self.causes],
+            "wins_over": list(self.wins_over),
         }
 
 
@@ -211,7 +215,7 @@ _ENUMS: dict[str, type[StrEnum]] = {
     "recoverability": Recoverability,
     "severity": Severity,
 }
-_KNOWN = set(_REQUIRED) | {"detectors", "patterns", "examples", "causes"}
+_KNOWN = set(_REQUIRED) | {"detectors", "patterns", "examples", "causes", "wins_over"}
 
 
 def _str_list(entry: dict[str, Any], key: str, where: str, problems: list[str]) -> tuple[str, ...]:
@@ -272,6 +276,7 @@ def parse_catalog(data: dict[str, Any], path: str, *, check_patterns: bool = Tru
         detectors = _str_list(entry, "detectors", where, problems)
         patterns = _str_list(entry, "patterns", where, problems)
         examples = _str_list(entry, "examples", where, problems)
+        wins_over = _str_list(entry, "wins_over", where, problems)
         if not detectors and not patterns:
             problems.append(f"{where}: needs at least one pattern or detector")
         if check_patterns:
@@ -319,6 +324,7 @@ def parse_catalog(data: dict[str, Any], path: str, *, check_patterns: bool = Tru
                     patterns=patterns,
                     examples=examples,
                     causes=tuple(edges),
+                    wins_over=wins_over,
                     **enums,
                 )
             )
@@ -331,6 +337,12 @@ def parse_catalog(data: dict[str, Any], path: str, *, check_patterns: bool = Tru
             if edge.code in seen:
                 problems.append(f"code {code.name}: duplicate edge to {edge.code}")
             seen.add(edge.code)
+        by_name = {c.name: c for c in codes}
+        for other in code.wins_over:
+            if other == code.name or other not in known:
+                problems.append(f"code {code.name}: wins_over names {other}, not another code")
+            elif code.name in by_name.get(other, code).wins_over:
+                problems.append(f"code {code.name}: wins_over {other}, which also wins over it")
     if problems:
         raise CatalogError(path, problems)
     return Catalog(version=int(data.get("version", 1)), path=path, codes=tuple(codes))

@@ -4,9 +4,10 @@
    selects the candidate lines: most server output is dropped here at
    millions of lines per second.
 2. Each pattern runs over the candidates only; when several codes match a
-   line, a specific code beats a catch-all, a cause beats an engine_crash
-   wrapper that quotes it, then the longest matched span wins (see
-   :func:`match_rank`).
+   line, a code beats those it declares in the catalog's ``wins_over``, then
+   a specific code beats a catch-all, a cause beats an engine_crash wrapper
+   that quotes it, then the longest matched span wins (see
+   :func:`pick_match`, :func:`match_rank`).
 3. Lines no pattern knows but that look like errors go to a learned fallback
    (scikit-learn: TF-IDF over words and character n-grams + logistic
    regression, a fault-vs-ordinary gate then the family, trained on the
@@ -40,6 +41,7 @@ __all__ = [
     "default_normalizer",
     "required_literals",
     "match_rank",
+    "pick_match",
     "ERRORISH",
     "MODEL_ABSTAINS",
     "CLASSIFIER_VERSION",
@@ -303,6 +305,16 @@ def match_rank(code: Code, match: re.Match[str]) -> tuple[int, int, int]:
         code.family != "engine_crash",
         match.end() - match.start(),
     )
+
+
+def pick_match(matches: Sequence[tuple[re.Match[str], Code]]) -> tuple[re.Match[str], Code]:
+    """The winner among the codes whose patterns match one line: a code that
+    another matching code declares it beats (catalog ``wins_over``) drops out,
+    then :func:`match_rank` decides among the rest."""
+    names = {code.name for _, code in matches}
+    beaten = {b for _, code in matches for b in code.wins_over if b in names}
+    rest = [m for m in matches if m[1].name not in beaten] or list(matches)
+    return max(rest, key=lambda m: match_rank(m[1], m[0]))
 
 
 class Batch:
@@ -693,16 +705,15 @@ class Normalizer:
             for idx, lits in zip(cand.tolist(), found.to_list(), strict=True):
                 text = lines[idx]
                 rule_ids = {r for lit in lits for r in self._by_literal[lit.lower()]}
-                best, best_key = None, (-1, -1, -1)
+                matched = []
                 for r in sorted(rule_ids.union(self._no_literal)):
                     rx, code = self._rules[r]
-                    mt = rx.search(text)
-                    if mt is not None and (key := match_rank(code, mt)) > best_key:
-                        best, best_key = (mt, code), key
-                if best is None:
+                    if (mt := rx.search(text)) is not None:
+                        matched.append((mt, code))
+                if not matched:
                     hit[idx] = False
                     continue
-                mt, code = best
+                mt, code = pick_match(matched)
                 f = {k: _coerce(v) for k, v in mt.groupdict().items() if v}
                 batch.set(idx, code, 1.0, self._generic_fields(text, f), "pattern")
         if model_scan:

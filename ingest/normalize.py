@@ -1,9 +1,9 @@
 """Text -> catalog code: the catalog's patterns compiled once and applied per line.
 
 This is the reference (pure Python ``re``) classifier. It picks, for each line,
-the code :func:`ingest.classify.match_rank` ranks first (specific over
-catch-all, cause over engine_crash wrapper, longest span), and returns the named groups as
-extracted fields.
+the code :func:`ingest.classify.pick_match` picks (a code's declared
+``wins_over``, then specific over catch-all, cause over engine_crash wrapper,
+longest span), and returns the named groups as extracted fields.
 """
 
 from __future__ import annotations
@@ -35,18 +35,14 @@ class LineClassifier:
         ]
 
     def classify(self, line: str) -> Match | None:
-        from ingest.classify import match_rank
+        from ingest.classify import pick_match
 
-        best: Match | None = None
-        best_key = (-1, -1, -1)
-        for rx, code in self._rules:
-            m = rx.search(line)
-            if m is None:
-                continue
-            if (key := match_rank(code, m)) > best_key:
-                fields = {k: _coerce(v) for k, v in m.groupdict().items() if v is not None}
-                best, best_key = Match(code, fields, (m.start(), m.end())), key
-        return best
+        matched = [(m, code) for rx, code in self._rules if (m := rx.search(line)) is not None]
+        if not matched:
+            return None
+        m, code = pick_match(matched)
+        fields = {k: _coerce(v) for k, v in m.groupdict().items() if v is not None}
+        return Match(code, fields, (m.start(), m.end()))
 
 
 def _coerce(v: str) -> Any:

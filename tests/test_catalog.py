@@ -101,12 +101,44 @@ def test_good_catalog_parses() -> None:
             'summary = "s"\ngrounding = "g"\npatterns',
             "missing field(s) action",
         ),
+        (
+            'causes = [{ code = "B_CODE"',
+            'wins_over = ["NOPE"]\ncauses = [{ code = "B_CODE"',
+            "wins_over names NOPE",
+        ),
+        (
+            'causes = [{ code = "B_CODE"',
+            'wins_over = ["A_CODE"]\ncauses = [{ code = "B_CODE"',
+            "wins_over names A_CODE",
+        ),
     ],
 )
 def test_each_validation_error_is_reported(old: str, new: str, message: str) -> None:
     assert old in GOOD
     problems = _problems(GOOD.replace(old, new, 1))
     assert any(message in p for p in problems), problems
+
+
+def test_wins_over_is_declared_precedence_between_two_codes() -> None:
+    """A code drops out when another code matching the same line names it in
+    ``wins_over``, whatever the spans; two codes may not name each other."""
+    from ingest.classify import pick_match
+
+    base = GOOD.replace('family = "engine_crash"', 'family = "timeout"')  # not a wrapper
+    line = "NVRM: Xid (PCI:0000:19:00): 48, pid=1 and a much longer text after it"
+    short, long = re.search(r"Xid \(PCI", line), re.search(r"Xid .* after it", line)
+    assert short is not None and long is not None
+    plain = _parse(base)  # no declaration: the longer span wins
+    assert pick_match([(short, plain["A_CODE"]), (long, plain["B_CODE"])])[1].name == "B_CODE"
+    a_wins = base.replace(
+        'causes = [{ code = "B_CODE"', 'wins_over = ["B_CODE"]\ncauses = [{ code = "B_CODE"'
+    )
+    cat = _parse(a_wins)
+    assert cat["A_CODE"].to_dict()["wins_over"] == ["B_CODE"]
+    assert pick_match([(short, cat["A_CODE"]), (long, cat["B_CODE"])])[1].name == "A_CODE"
+    assert pick_match([(long, cat["B_CODE"])])[1].name == "B_CODE"  # alone, B still names it
+    both = a_wins.replace('detectors = ["otel', 'wins_over = ["A_CODE"]\ndetectors = ["otel')
+    assert any("also wins over it" in p for p in _problems(both))
 
 
 def test_several_problems_are_reported_together() -> None:

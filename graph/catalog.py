@@ -329,6 +329,7 @@ def parse_catalog(data: dict[str, Any], path: str, *, check_patterns: bool = Tru
                 )
             )
     known = {c.name for c in codes} | set(names)
+    by_name = {c.name: c for c in codes}
     for code in codes:
         seen: set[str] = set()
         for edge in code.causes:
@@ -337,11 +338,10 @@ def parse_catalog(data: dict[str, Any], path: str, *, check_patterns: bool = Tru
             if edge.code in seen:
                 problems.append(f"code {code.name}: duplicate edge to {edge.code}")
             seen.add(edge.code)
-        by_name = {c.name: c for c in codes}
         for other in code.wins_over:
             if other == code.name or other not in known:
                 problems.append(f"code {code.name}: wins_over names {other}, not another code")
-            elif code.name in by_name.get(other, code).wins_over:
+            elif other in by_name and code.name in by_name[other].wins_over:
                 problems.append(f"code {code.name}: wins_over {other}, which also wins over it")
     if problems:
         raise CatalogError(path, problems)

@@ -577,6 +577,9 @@ def bench_corpus(
 def bench_probes(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     reps: Annotated[int, typer.Option(help="Repetitions per mode.")] = 9,
+    size: Annotated[
+        str, typer.Option(help="small (4 layers, fp32) or 1b (Llama-3.2-1B's stack, bf16).")
+    ] = "small",
     as_json: JsonOpt = False,
 ) -> None:
     """Probe overhead on a fixed Llama-style decoder: each tier's time vs checks off."""
@@ -584,9 +587,11 @@ def bench_probes(
 
     if importlib.util.find_spec("torch") is None:  # torch is an optional extra
         raise RcaError("rca bench probes needs torch: pip install -e '.[torch]'")
-    from rca.bench.probes import run_probe_bench
+    from rca.bench.probes import SHAPES, run_probe_bench
 
-    res = run_probe_bench(device=device, reps=reps)
+    if size not in SHAPES:
+        raise RcaError(f"--size must be one of {', '.join(SHAPES)}, not {size!r}")
+    res = run_probe_bench(device=device, reps=reps, size=size)
     _print_figures(res, as_json)
 
 

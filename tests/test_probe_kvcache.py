@@ -230,3 +230,22 @@ def test_sequence_growth_and_reset_rows_take_new_references():
     recs = kv.step_sequences(grown, [A, C], block_size=4, reset_rows=[1])
     assert recs == []
     assert [kv.step_sequences(grown, [A, C], block_size=4) for _ in range(5)] == [[]] * 5
+
+
+@pytest.mark.parametrize("limit", [1 << 30, 3 * (2 * 2 * 3 * 4 * 32), 64])  # 1, 3 per buffer, loop
+def test_sequence_window_fingerprints_agree_whatever_the_stack_limit(monkeypatch, limit):
+    """One buffer for every layer, buffers of a few layers (a GPU's chunks), or
+    a part at a time: the same fingerprints as the block definition."""
+    import probes.kvcache as kvmod
+
+    monkeypatch.setattr(kvmod, "_STACK_BYTES", limit)
+    cache = seq_cache(rows=2, blocks=10, layers=4)
+    tensors = [t for layer in cache for t in layer]  # 8 parts of [2, 2, 40, 8]
+    got = kvmod._seq_range(tensors, 3, 6, 4)  # blocks 3..5
+    want = torch.stack(
+        [
+            block_fingerprints(t[:, :, 12:24].unflatten(2, (3, 4)).transpose(1, 2), lead=2)
+            for t in tensors
+        ]
+    )
+    assert got.shape == (8, 2, 3) and torch.equal(got, want)

@@ -29,11 +29,12 @@ torch is imported inside the functions only (``import rca`` must stay light).
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from typing import Any
 
-__all__ = ["run_probe_bench", "kv_config", "MODES", "SHAPE"]
+__all__ = ["run_probe_bench", "kv_config", "MODES", "SHAPE", "SHAPES"]
 
 MODES = ("off", "default", "numerical", "full", "kv_fingerprint")
 SHAPE = {
@@ -46,38 +47,59 @@ SHAPE = {
     "prompt": 128,
     "decode_steps": 32,
     "kv_block": 16,
+    "dtype": "float32",
+}
+# ``small`` is the default and the one CPU figures are quoted for. ``1b`` has
+# the decoder stack of Llama-3.2-1B (16 layers, hidden 2048, 32 heads, MLP 8192;
+# a 32,000 vocabulary and no grouped KV heads here) in bf16, batch 8, a
+# 512-token prompt: on a GPU a decode step of ``small`` is bound by kernel
+# launches, so the probes' fixed per-step cost weighs more there than in a
+# served model; ``1b`` shows what a real model's step makes of it.
+SHAPES: dict[str, dict[str, Any]] = {
+    "small": SHAPE,
+    "1b": {
+        **SHAPE,
+        "layers": 16,
+        "hidden": 2048,
+        "heads": 32,
+        "intermediate": 8192,
+        "batch": 8,
+        "prompt": 512,
+        "dtype": "bfloat16",
+    },
 }
 
 
-def _build_model(device: Any, seed: int) -> tuple[Any, str]:
+def _build_model(device: Any, seed: int, shape: dict[str, Any]) -> tuple[Any, str]:
     import torch
 
     torch.manual_seed(seed)
+    dtype = getattr(torch, shape["dtype"])
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(
-            vocab_size=SHAPE["vocab"],
-            hidden_size=SHAPE["hidden"],
-            intermediate_size=SHAPE["intermediate"],
-            num_hidden_layers=SHAPE["layers"],
-            num_attention_heads=SHAPE["heads"],
-            num_key_value_heads=SHAPE["heads"],
-            max_position_embeddings=512,
+            vocab_size=shape["vocab"],
+            hidden_size=shape["hidden"],
+            intermediate_size=shape["intermediate"],
+            num_hidden_layers=shape["layers"],
+            num_attention_heads=shape["heads"],
+            num_key_value_heads=shape["heads"],
+            max_position_embeddings=max(512, 2 * (shape["prompt"] + shape["decode_steps"])),
         )
         model = LlamaForCausalLM(cfg)
         kind = "transformers.LlamaForCausalLM"
     except ImportError:
-        model = _small_llama(torch)
+        model = _small_llama(torch, shape)
         kind = "rca.bench.probes small decoder"
-    return model.to(device).eval(), kind
+    return model.to(device=device, dtype=dtype).eval(), kind
 
 
-def _small_llama(torch: Any) -> Any:
+def _small_llama(torch: Any, shape: dict[str, Any]) -> Any:
     """A Llama-style decoder in plain torch (RMSNorm, RoPE, SwiGLU, a KV cache of
     ``[(k, v), ...]`` tensors ``[batch, heads, seq, head_dim]``)."""
     nn, F = torch.nn, torch.nn.functional
-    hidden, heads, inter = SHAPE["hidden"], SHAPE["heads"], SHAPE["intermediate"]
+    hidden, heads, inter = shape["hidden"], shape["heads"], shape["intermediate"]
     hd = hidden // heads
 
     class RMSNorm(nn.Module):
@@ -139,10 +161,10 @@ def _small_llama(torch: Any) -> Any:
     class Decoder(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.embed_tokens = nn.Embedding(SHAPE["vocab"], hidden)
-            self.layers = nn.ModuleList(Layer() for _ in range(SHAPE["layers"]))
+            self.embed_tokens = nn.Embedding(shape["vocab"], hidden)
+            self.layers = nn.ModuleList(Layer() for _ in range(shape["layers"]))
             self.norm = RMSNorm()
-            self.lm_head = nn.Linear(hidden, SHAPE["vocab"], bias=False)
+            self.lm_head = nn.Linear(hidden, shape["vocab"], bias=False)
 
         def forward(self, input_ids: Any, position_ids: Any = None, cache: Any = None) -> Any:
             past = cache[0][0].shape[2] if cache else 0
@@ -161,7 +183,7 @@ def _small_llama(torch: Any) -> Any:
     return Decoder()
 
 
-def _twin(model: Any, kind: str, device: Any, seed: int) -> Any:
+def _twin(model: Any, kind: str, device: Any, shape: dict[str, Any]) -> Any:
     """Another module tree over the same parameter tensors (hooks are per module
     object; the weights, and so the memory traffic, are shared)."""
     import torch
@@ -171,9 +193,9 @@ def _twin(model: Any, kind: str, device: Any, seed: int) -> Any:
 
         twin = LlamaForCausalLM(model.config)
     else:
-        twin = _small_llama(torch)
+        twin = _small_llama(torch, shape)
     twin.load_state_dict(model.state_dict(), assign=True)
-    return twin.to(device).eval()
+    return twin.to(device=device, dtype=getattr(torch, shape["dtype"])).eval()
 
 
 def kv_config() -> dict[str, Any]:
@@ -183,13 +205,13 @@ def kv_config() -> dict[str, Any]:
     return {"verify_per_step": PRODUCTION_VERIFY_PER_STEP}
 
 
-def _kv_latency(verify_per_step: int | None) -> int:
+def _kv_latency(verify_per_step: int | None, shape: dict[str, Any] = SHAPE) -> int:
     """Steps within which every finished block of the bench's cache (at its
     longest) is re-verified at least once."""
-    blocks = (SHAPE["prompt"] + SHAPE["decode_steps"]) // SHAPE["kv_block"]
+    blocks = (shape["prompt"] + shape["decode_steps"]) // shape["kv_block"]
     if verify_per_step is None:
         return 1
-    k = max(1, verify_per_step // SHAPE["batch"])
+    k = max(1, verify_per_step // shape["batch"])
     return -(-blocks // k)
 
 
@@ -200,13 +222,25 @@ class _Lane:
     start afresh with each generation's new sequences."""
 
     def __init__(
-        self, mode: str, model: Any, hf: bool, ids: Any, traces: list[str], checker: Any
+        self,
+        mode: str,
+        model: Any,
+        hf: bool,
+        ids: Any,
+        traces: list[str],
+        checker: Any,
+        kv_block: int,
     ) -> None:
         from probes.kvcache import KVBlockChecker
         from probes.sink import MemorySink
 
         self.mode, self.model, self.hf, self.ids, self.traces = mode, model, hf, ids, traces
-        self.checker = checker
+        self.checker, self.kv_block = checker, kv_block
+        # transformers renamed the forward's ``past_key_values`` to ``cache``
+        # (5.2x); the bench runs on either
+        self.cache_kw = "cache"
+        if hf and "cache" not in inspect.signature(model.forward).parameters:
+            self.cache_kw = "past_key_values"
         self.sink = checker.sink if checker is not None else MemorySink()
         self.kv = None
         if mode == "kv_fingerprint":
@@ -218,6 +252,7 @@ class _Lane:
             self.cache = DynamicCache(config=model.config)
         self.times: list[float] = []
         self.cpu_times: list[float] = []
+        self.probe_times: list[float] = []  # begin_step + end_step + KV step, host wall
 
     def step(self, sync: Any) -> None:
         c0 = time.thread_time()
@@ -225,16 +260,21 @@ class _Lane:
         ck = self.checker
         if ck is not None:
             ck.begin_step(self.traces)
+        p = time.perf_counter() - t0
         if self.hf:
-            out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            kw = {self.cache_kw: self.cache}
+            out = self.model(input_ids=self.ids, use_cache=True, logits_to_keep=1, **kw)
             logits = out.logits
         else:
             logits, self.cache = self.model(self.ids, cache=self.cache)
         self.ids = logits[:, -1].argmax(-1, keepdim=True)
+        sync()  # every lane waits here, so the probes' own time below is host work
+        t1 = time.perf_counter()
         if ck is not None:
             ck.end_step()
         if self.kv is not None:
-            self.kv.step_sequences(self.cache, self.traces, block_size=SHAPE["kv_block"])
+            self.kv.step_sequences(self.cache, self.traces, block_size=self.kv_block)
+        self.probe_times.append(p + time.perf_counter() - t1)
         sync()
         self.times.append(time.perf_counter() - t0)
         self.cpu_times.append(time.thread_time() - c0)
@@ -245,7 +285,13 @@ class _Lane:
 
 
 def run_probe_bench(
-    *, device: str = "cpu", reps: int = 9, warmup: int = 1, seed: int = 0, threads: int = 1
+    *,
+    device: str = "cpu",
+    reps: int = 9,
+    warmup: int = 1,
+    seed: int = 0,
+    threads: int = 1,
+    size: str = "small",
 ) -> dict[str, Any]:
     """Time each mode ``reps`` times; return medians and ratios vs ``off``.
 
@@ -257,12 +303,16 @@ def run_probe_bench(
     "ratio_kv_fingerprint", "ratio_iqr": {mode: [p25, p75]} of the per-repetition
     ratios, "ms": {mode: {"total", "prefill", "decode_step"}},
     "ratio_prefill", "ratio_decode", "shape", "model", "device", ...}``.
+    ``size`` picks one of :data:`SHAPES`.
     """
     import torch
 
     from probes.ops import instrument
     from probes.sink import MemorySink
 
+    if size not in SHAPES:
+        raise ValueError(f"unknown size {size!r}: one of {', '.join(SHAPES)}")
+    shp = SHAPES[size]
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -273,22 +323,25 @@ def run_probe_bench(
             torch.cuda.synchronize(dev)
 
     try:
-        base, kind = _build_model(device, seed)
+        base, kind = _build_model(device, seed, shp)
         hf = kind.startswith("transformers")
-        models = {m: base if m == "off" else _twin(base, kind, device, seed) for m in MODES}
+        models = {m: base if m == "off" else _twin(base, kind, device, shp) for m in MODES}
         g = torch.Generator().manual_seed(seed + 1)
-        shape = (SHAPE["batch"], SHAPE["prompt"])
-        ids = torch.randint(0, SHAPE["vocab"], shape, generator=g).to(dev)
-        traces = [f"{seed:08x}{i:024x}" for i in range(SHAPE["batch"])]
+        ids = torch.randint(0, shp["vocab"], (shp["batch"], shp["prompt"]), generator=g).to(dev)
+        traces = [f"{seed:08x}{i:024x}" for i in range(shp["batch"])]
         runs: list[dict[str, list[float]]] = []
         cpu_runs: list[dict[str, list[float]]] = []
+        probe_runs: list[dict[str, list[float]]] = []
         for m in ("default", "numerical", "full"):
             checkers[m] = instrument(models[m], m, sink=MemorySink())
         with torch.inference_mode():
             for rep in range(warmup + reps):
-                lanes = [_Lane(m, models[m], hf, ids, traces, checkers.get(m)) for m in MODES]
+                lanes = [
+                    _Lane(m, models[m], hf, ids, traces, checkers.get(m), shp["kv_block"])
+                    for m in MODES
+                ]
                 try:
-                    for step in range(SHAPE["decode_steps"] + 1):
+                    for step in range(shp["decode_steps"] + 1):
                         k = (step + rep) % len(lanes)
                         for lane in lanes[k:] + lanes[:k]:
                             lane.step(sync)
@@ -298,6 +351,7 @@ def run_probe_bench(
                 if rep >= warmup:
                     runs.append({lane.mode: lane.times for lane in lanes})
                     cpu_runs.append({lane.mode: lane.cpu_times for lane in lanes})
+                    probe_runs.append({lane.mode: lane.probe_times for lane in lanes})
     finally:
         for ck in checkers.values():
             ck.detach()
@@ -311,7 +365,7 @@ def run_probe_bench(
         a, b = per_rep(mode, part, source), per_rep("off", part, source)
         return round(statistics.median(x / y for x, y in zip(a, b, strict=True)), 4)
 
-    steps = SHAPE["decode_steps"]
+    steps = shp["decode_steps"]
     ms = {
         m: {
             "total": round(statistics.median(per_rep(m, "total")), 3),
@@ -334,17 +388,25 @@ def run_probe_bench(
     # the same ratios on this thread's CPU time (a shared machine's preemption
     # drops out; the work the probes add stays)
     out["ratio_cpu_time"] = {m: ratio(m, "total", cpu_runs) for m in MODES if m != "off"}
+    # the probes' own calls per decode step (begin_step, end_step with its one
+    # device read, the KV step), microseconds, median over repetitions: the
+    # fixed cost a step pays whatever the model's size
+    out["probe_us_per_decode_step"] = {
+        m: round(statistics.median(sum(r[m][1:]) for r in probe_runs) / steps * 1e6, 1)
+        for m in MODES
+    }
     out["ms"] = ms
     kv = kv_config()
     out["kv_config"] = {
         **kv,
-        "block_size": SHAPE["kv_block"],
-        "detection_latency_steps": _kv_latency(kv["verify_per_step"]),
+        "block_size": shp["kv_block"],
+        "detection_latency_steps": _kv_latency(kv["verify_per_step"], shp),
     }
     off = per_rep("off", "total")
     out["off_total_ms_range"] = [round(min(off), 3), round(max(off), 3)]
     out.update(
-        shape=dict(SHAPE),
+        size=size,
+        shape=dict(shp),
         model=kind,
         device=str(device),
         reps=reps,
@@ -360,4 +422,5 @@ if __name__ == "__main__":  # pragma: no cover
     import sys
 
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    print(json.dumps(run_probe_bench(device=dev), indent=2))
+    size = sys.argv[2] if len(sys.argv) > 2 else "small"
+    print(json.dumps(run_probe_bench(device=dev, size=size), indent=2))

@@ -31,7 +31,8 @@ CRASHLOGS = REAL / "crashlogs"
 #: round 10; holdout9 in round 11; holdout10 in round 12; holdout11 in round
 #: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
 #: holdout15 in round 17; holdout16 in round 18; holdout17 in round 19;
-#: holdout18 in round 20; holdout19 in round 21; holdout20 in round 22).
+#: holdout18 in round 20; holdout19 in round 21; holdout20 in round 22;
+#: holdout21 in round 23).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -53,6 +54,7 @@ FORMER_HOLDOUTS = (
     "holdout18",
     "holdout19",
     "holdout20",
+    "holdout21",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -142,6 +144,10 @@ FORMER_HOLDOUTS = (
 #: HOST_THREAD_LIMIT; 4,173 fault lines, 7,095 ordinary): 5-fold 0.934 at
 #: precision 0.979, 21/7,095 flagged; leave one set out holdout19 1.000,
 #: holdout20 0.919 (optimistic: studied), pooled 0.930 at precision 0.978.
+#: Round 23 (holdout21 moved in, 17 patterns from its misses; 4,334 fault
+#: lines, 7,409 ordinary): 5-fold 0.931 at precision 0.977, 20/7,409 flagged;
+#: leave one set out holdout20 0.919, holdout21 0.901 (optimistic: studied),
+#: pooled 0.929 at precision 0.978.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out, and holdout17, gathered
@@ -168,6 +174,7 @@ LOSO_MIN = {
     "holdout18": 0.96,
     "holdout19": 0.97,
     "holdout20": 0.89,
+    "holdout21": 0.87,
 }
 
 
@@ -419,10 +426,22 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # other 126, 0.794. A blind reader of its lines (labelled files moved away
 # while it read): 0.888 (0.975 on the 118 it was sure of; three TensorRT
 # lines labelled config that the catalog and the corpus call model_loading).
+# Moved into the corpus in round 23.
+#
+# holdout22 (175 fault lines, 71 projects, 321 ordinary lines; four gatherers,
+# none ran the classifier; most candidate threads already used: lines from
+# ComfyUI and diffusion trainers, TensorFlow, onnxruntime, JAX, CuPy, faiss,
+# OpenAI / Azure OpenAI / Anthropic clients, ollama clients and gateways; no
+# scheduler line): round 22's classifier: family 0.811, precision 0.953,
+# 3/321 flagged; round 23 (which never saw it): 0.811, 0.947, 3/321. 35 of its
+# lines say what a training line says (all 35 right); on the other 140, 0.764. A blind
+# reader of its lines (labelled files moved away while it read): 0.983 (0.993
+# on the 140 it was sure of): an easy set for a reader, and the classifier
+# still leaves 24 of the lines the reader names unknown.
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout21": {
-        "family_accuracy": 0.78,
-        "precision_when_answered": 0.90,
+    "holdout22": {
+        "family_accuracy": 0.79,
+        "precision_when_answered": 0.92,
         "benign_flagged_share": 0.02,
     },
 }

@@ -32,7 +32,7 @@ CRASHLOGS = REAL / "crashlogs"
 #: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
 #: holdout15 in round 17; holdout16 in round 18; holdout17 in round 19;
 #: holdout18 in round 20; holdout19 in round 21; holdout20 in round 22;
-#: holdout21 in round 23).
+#: holdout21 in round 23; holdout22 in round 24).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -55,6 +55,7 @@ FORMER_HOLDOUTS = (
     "holdout19",
     "holdout20",
     "holdout21",
+    "holdout22",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -148,6 +149,10 @@ FORMER_HOLDOUTS = (
 #: lines, 7,409 ordinary): 5-fold 0.931 at precision 0.977, 20/7,409 flagged;
 #: leave one set out holdout20 0.919, holdout21 0.901 (optimistic: studied),
 #: pooled 0.929 at precision 0.978.
+#: Round 24 (holdout22 moved in, 17 patterns from its misses, a new code
+#: DNS_RESOLUTION_FAILED; 4,509 fault lines, 7,730 ordinary): 5-fold 0.931 at
+#: precision 0.978, 23/7,730 flagged; leave one set out holdout21 0.901,
+#: holdout22 0.931 (optimistic: studied), pooled 0.930 at precision 0.977.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out, and holdout17, gathered
@@ -175,6 +180,7 @@ LOSO_MIN = {
     "holdout19": 0.97,
     "holdout20": 0.89,
     "holdout21": 0.87,
+    "holdout22": 0.90,
 }
 
 
@@ -437,11 +443,22 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # lines say what a training line says (all 35 right); on the other 140, 0.764. A blind
 # reader of its lines (labelled files moved away while it read): 0.983 (0.993
 # on the 140 it was sure of): an easy set for a reader, and the classifier
-# still leaves 24 of the lines the reader names unknown.
+# still leaves 24 of the lines the reader names unknown. Moved into the corpus
+# in round 24.
+#
+# holdout23 (152 fault lines, 95 projects, 299 ordinary lines; four gatherers,
+# none ran the classifier; about 4 in 5 candidate threads already used: lines
+# from crypto miners, Blender Cycles, instant-ngp, PaddlePaddle, Keras,
+# ComfyUI, hosted-API clients in Java, Go, JS and R; no kv_cache line, one
+# scheduler line): round 23's classifier: family 0.796, precision 0.945,
+# 0/299 flagged; round 24 (which never saw it): 0.803, 0.939, 0/299. 22 of
+# its lines say what a training line says (21 right); on the other 130,
+# 0.769. A blind reader of its lines (labelled files moved away while it
+# read): 0.954 (1.000 on the 120 it was sure of).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout22": {
-        "family_accuracy": 0.79,
-        "precision_when_answered": 0.92,
+    "holdout23": {
+        "family_accuracy": 0.78,
+        "precision_when_answered": 0.91,
         "benign_flagged_share": 0.02,
     },
 }

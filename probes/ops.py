@@ -1824,7 +1824,7 @@ class Checker:
         Skipped past ``MIRROR_MAX_BYTES`` (a huge ``max_rows`` x slots): the
         gather path reads only the cells in use."""
         self._mirror = None
-        self._clear_cache: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._clear_cache = {}
         if device.type == "cpu" and not self._force_mirror:
             return
         # the integer buffer whole: its lo/hi rows are per-step bounds too
@@ -1864,43 +1864,41 @@ class Checker:
         assert self._mirror is not None
         host, views, _, _, dev = self._mirror
         pairs = [(h, d) for want, h, d in zip((f, s_, i), host, dev, strict=True) if want]
-        if not self._fbuf.is_cuda:
+        if self._fbuf.is_cuda:
+            self._copy_to_host(pairs, temporaries=False)
+        else:
             for h, d in pairs:
                 h.copy_(d)
-            return views
-        main = torch.cuda.current_stream(self._fbuf.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=self._fbuf.device)
-        side = self._side_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for h, d in pairs:
-                h.copy_(d, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
-        done.synchronize()
         return views
 
     def _to_host_many(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Several small tensors to the host with one synchronization."""
         if not tensors or not tensors[0].is_cuda:
             return tensors
-        main = torch.cuda.current_stream(tensors[0].device)
+        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        self._copy_to_host(list(zip(out, tensors, strict=True)), temporaries=True)
+        return out
+
+    def _copy_to_host(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, temporaries: bool
+    ) -> None:
+        """Each (pinned host, device) pair copied on a side stream that follows
+        the main one, then one wait. ``temporaries``: the caller drops the
+        device tensors at once, so they are recorded on the side stream (the
+        allocator must not hand their memory out before the copy is done)."""
+        dev = pairs[0][1].device
         if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=tensors[0].device)
+            self._side_stream = torch.cuda.Stream(device=dev)
         side = self._side_stream
-        side.wait_stream(main)
-        out = []
+        side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            for t in tensors:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                t.record_stream(side)
-                out.append(host)
+            for h, d in pairs:
+                h.copy_(d, non_blocking=True)
+                if temporaries:
+                    d.record_stream(side)
             done = torch.cuda.Event()
             done.record(side)
         done.synchronize()
-        return out
 
     def _fails(
         self,

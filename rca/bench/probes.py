@@ -205,7 +205,7 @@ def kv_config() -> dict[str, Any]:
     return {"verify_per_step": PRODUCTION_VERIFY_PER_STEP}
 
 
-def _kv_latency(verify_per_step: int | None, shape: dict[str, Any] = SHAPE) -> int:
+def _kv_latency(verify_per_step: int | None, shape: dict[str, Any]) -> int:
     """Steps within which every finished block of the bench's cache (at its
     longest) is re-verified at least once."""
     blocks = (shape["prompt"] + shape["decode_steps"]) // shape["kv_block"]

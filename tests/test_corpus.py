@@ -32,7 +32,7 @@ CRASHLOGS = REAL / "crashlogs"
 #: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
 #: holdout15 in round 17; holdout16 in round 18; holdout17 in round 19;
 #: holdout18 in round 20; holdout19 in round 21; holdout20 in round 22;
-#: holdout21 in round 23; holdout22 in round 24).
+#: holdout21 in round 23; holdout22 in round 24; holdout23 in round 25).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -56,6 +56,7 @@ FORMER_HOLDOUTS = (
     "holdout20",
     "holdout21",
     "holdout22",
+    "holdout23",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -153,6 +154,10 @@ FORMER_HOLDOUTS = (
 #: DNS_RESOLUTION_FAILED; 4,509 fault lines, 7,730 ordinary): 5-fold 0.931 at
 #: precision 0.978, 23/7,730 flagged; leave one set out holdout21 0.901,
 #: holdout22 0.931 (optimistic: studied), pooled 0.930 at precision 0.977.
+#: Round 25 (holdout23 moved in, 20 patterns from its misses; 4,661 fault
+#: lines, 8,029 ordinary): 5-fold 0.931 at precision 0.978, 19/8,029 flagged;
+#: leave one set out holdout22 0.937, holdout23 0.941 (optimistic: studied),
+#: pooled 0.930 at precision 0.977.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out, and holdout17, gathered
@@ -181,6 +186,7 @@ LOSO_MIN = {
     "holdout20": 0.89,
     "holdout21": 0.87,
     "holdout22": 0.90,
+    "holdout23": 0.91,
 }
 
 
@@ -454,11 +460,23 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # 0/299 flagged; round 24 (which never saw it): 0.803, 0.939, 0/299. 22 of
 # its lines say what a training line says (21 right); on the other 130,
 # 0.769. A blind reader of its lines (labelled files moved away while it
-# read): 0.954 (1.000 on the 120 it was sure of).
+# read): 0.954 (1.000 on the 120 it was sure of). Moved into the corpus in
+# round 25.
+#
+# holdout24 (155 fault lines, 88 projects, 328 ordinary lines; four gatherers
+# and a top-up fifth, none ran the classifier; about 4 in 5 candidate threads
+# already used: lines from ROCm builds, miners, TensorFlow/JAX/MXNet, Ascend,
+# diffusion UIs, hosted-API clients and gateways; three scheduler and four
+# kv_cache_integrity lines, several of them weak): round 24's classifier:
+# family 0.794, precision 0.911, 2/328 flagged; round 25 (which never saw it):
+# the same. 12 of its lines say what a training line says (all right); on the
+# other 143, 0.776. A blind reader of its lines (labelled files moved away
+# while it read): 0.910 (1.000 on the 117 it was sure of; the 14 it read
+# otherwise are all lines it was unsure of).
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout23": {
-        "family_accuracy": 0.78,
-        "precision_when_answered": 0.91,
+    "holdout24": {
+        "family_accuracy": 0.77,
+        "precision_when_answered": 0.89,
         "benign_flagged_share": 0.02,
     },
 }

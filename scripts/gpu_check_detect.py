@@ -23,7 +23,6 @@ Needs torch and transformers; on CPU (the dry run) the sync count is skipped.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import sys
@@ -42,6 +41,7 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 from probes.kvcache import KVBlockChecker  # noqa: E402
 from probes.ops import instrument  # noqa: E402
 from probes.sink import MemorySink  # noqa: E402
+from rca.bench.probes import cache_kwarg  # noqa: E402
 
 TRACES = [f"{i:02x}" * 16 for i in range(1, 5)]
 VOCAB = 512
@@ -59,11 +59,6 @@ def _model(dev: torch.device) -> Any:
         max_position_embeddings=128,
     )
     return transformers.LlamaForCausalLM(cfg).to(dev).eval()
-
-
-def _cache_kw(model: Any) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _syncs(dev: torch.device, fn: Any) -> int | None:
@@ -158,7 +153,7 @@ def main() -> int:
     # 4. a changed value in a finished KV block
     model = _model(dev)
     cache, sink = DynamicCache(config=model.config), MemorySink()
-    kv, kw = KVBlockChecker(sink), _cache_kw(model)
+    kv, kw = KVBlockChecker(sink), cache_kwarg(model)
     clean = True
     with torch.inference_mode():
         out = model(input_ids=ids[:3, :9], use_cache=True, **{kw: cache})

@@ -34,7 +34,7 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["run_probe_bench", "kv_config", "MODES", "SHAPE", "SHAPES"]
+__all__ = ["run_probe_bench", "kv_config", "cache_kwarg", "MODES", "SHAPE", "SHAPES"]
 
 MODES = ("off", "default", "numerical", "full", "kv_fingerprint")
 SHAPE = {
@@ -198,6 +198,12 @@ def _twin(model: Any, kind: str, device: Any, shape: dict[str, Any]) -> Any:
     return twin.to(device=device, dtype=getattr(torch, shape["dtype"])).eval()
 
 
+def cache_kwarg(model: Any) -> str:
+    """The name under which a transformers model's forward takes its KV cache:
+    ``cache`` since transformers 5.2x renamed it, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def kv_config() -> dict[str, Any]:
     """The KV fingerprint configuration the bench measures: production's."""
     from probes.kvcache import PRODUCTION_VERIFY_PER_STEP
@@ -236,11 +242,7 @@ class _Lane:
 
         self.mode, self.model, self.hf, self.ids, self.traces = mode, model, hf, ids, traces
         self.checker, self.kv_block = checker, kv_block
-        # transformers renamed the forward's ``past_key_values`` to ``cache``
-        # (5.2x); the bench runs on either
-        self.cache_kw = "cache"
-        if hf and "cache" not in inspect.signature(model.forward).parameters:
-            self.cache_kw = "past_key_values"
+        self.cache_kw = cache_kwarg(model) if hf else "cache"
         self.sink = checker.sink if checker is not None else MemorySink()
         self.kv = None
         if mode == "kv_fingerprint":

@@ -32,7 +32,8 @@ CRASHLOGS = REAL / "crashlogs"
 #: 13; holdout12 in round 14; holdout13 in round 15; holdout14 in round 16;
 #: holdout15 in round 17; holdout16 in round 18; holdout17 in round 19;
 #: holdout18 in round 20; holdout19 in round 21; holdout20 in round 22;
-#: holdout21 in round 23; holdout22 in round 24; holdout23 in round 25).
+#: holdout21 in round 23; holdout22 in round 24; holdout23 in round 25;
+#: holdout24 in round 26).
 FORMER_HOLDOUTS = (
     "dev",
     "holdout2",
@@ -57,6 +58,7 @@ FORMER_HOLDOUTS = (
     "holdout21",
     "holdout22",
     "holdout23",
+    "holdout24",
 )
 #: Gates, a few points under what round 4 measured (3-fold: 0.896 family
 #: accuracy, precision 0.964, 1-3/1753 ordinary lines flagged; leave one set
@@ -158,6 +160,10 @@ FORMER_HOLDOUTS = (
 #: lines, 8,029 ordinary): 5-fold 0.931 at precision 0.978, 19/8,029 flagged;
 #: leave one set out holdout22 0.937, holdout23 0.941 (optimistic: studied),
 #: pooled 0.930 at precision 0.977.
+#: Round 26 (holdout24 moved in, 14 patterns from its misses; 4,816 fault
+#: lines, 8,357 ordinary): 5-fold 0.931 at precision 0.979, 24/8,357 flagged;
+#: leave one set out holdout23 0.941, holdout24 0.890 (optimistic: studied),
+#: pooled 0.928 at precision 0.977.
 KFOLD_MIN = 0.88
 #: Fault lines a former held-out set has at least: the issue's 150, except
 #: holdout7, gathered when unused public text ran out, and holdout17, gathered
@@ -187,6 +193,7 @@ LOSO_MIN = {
     "holdout21": 0.87,
     "holdout22": 0.90,
     "holdout23": 0.91,
+    "holdout24": 0.87,
 }
 
 
@@ -472,11 +479,22 @@ def test_wrapper_line_yields_the_cause_it_quotes() -> None:
 # the same. 12 of its lines say what a training line says (all right); on the
 # other 143, 0.776. A blind reader of its lines (labelled files moved away
 # while it read): 0.910 (1.000 on the 117 it was sure of; the 14 it read
-# otherwise are all lines it was unsure of).
+# otherwise are all lines it was unsure of). Moved into the corpus in round 26.
+#
+# holdout25 (166 fault lines, 107 projects, 333 ordinary lines; four gatherers
+# and a planned top-up fifth, none ran the classifier; most candidate threads
+# already used: lines from miners, amdgpu and Intel Xe kernels, JAX, CuPy,
+# diffusion UIs, hosted-API clients and gateways in several languages; one
+# scheduler line): round 25's classifier: family 0.747, precision 0.932,
+# 1/333 flagged; round 26 (which never saw it): 0.753, 0.926, 0/333. 18 of its
+# lines say what a training line says (all right); on the other 148, 0.770. A
+# blind reader of its lines (labelled files moved away while it read): 0.982
+# (1.000 on the 135 it was sure of): the classifier leaves 30 of the lines the
+# reader names unknown and names 8 wrongly.
 HOLDOUT_GATES: dict[str, dict[str, float]] = {
-    "holdout24": {
-        "family_accuracy": 0.77,
-        "precision_when_answered": 0.89,
+    "holdout25": {
+        "family_accuracy": 0.73,
+        "precision_when_answered": 0.90,
         "benign_flagged_share": 0.02,
     },
 }
